@@ -1,0 +1,1 @@
+"""streamrl.rollout_fleet.rewards."""

@@ -1,0 +1,1 @@
+"""streamrl.weight_bus."""
