@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="run RL training (fully_async GRPO on the toy task by default)")
+    train = sub.add_parser(
+        "train", help="run RL training (fully_async GRPO on the toy task by default)"
+    )
     train.add_argument("overrides", nargs="*", help="key=value config overrides")
     train.set_defaults(func=_train)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 MODES = ("sync", "one_step_off", "fully_async")
 UPDATE_POLICIES = ("drain", "pause", "abort")
@@ -485,18 +485,35 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="streamrl_schema", node=Config)
+    cs.store(name="streamrl_schema", node=_schema(Config))
     groups = {
         "rollout": RolloutConfig, "buffer": BufferConfig, "algorithm": AlgorithmConfig,
         "task": TaskConfig, "weight_bus": WeightBusConfig,
     }
     for group, node in groups.items():
-        cs.store(group=group, name=f"{group}_schema", node=node)
+        cs.store(group=group, name=f"{group}_schema", node=_schema(node))
+
+
+def _schema(node_type: type) -> DictConfig:
+    """A typed but writable schema node: OmegaConf marks frozen dataclasses read-only, which
+    would stop Hydra from composing overrides; frozenness is restored by ``to_object``."""
+    node = OmegaConf.structured(node_type)
+    _set_writable(node)
+    return node
+
+
+def _set_writable(node: Any) -> None:
+    OmegaConf.set_readonly(node, False)
+    if isinstance(node, DictConfig):
+        for key in node:
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                _set_writable(child)
 
 
 def to_config(container: Any) -> Config:
     """Turn a composed OmegaConf node into the frozen Config, with clear type errors."""
-    schema = OmegaConf.structured(Config)
+    schema = _schema(Config)
     try:
         merged = OmegaConf.merge(schema, container)
         OmegaConf.resolve(merged)
@@ -504,7 +521,17 @@ def to_config(container: Any) -> Config:
     except Exception as exc:  # omegaconf raises several unrelated types for bad values
         raise ConfigError(str(exc).split("\n    full_key")[0]) from exc
     assert isinstance(cfg, Config)
-    return cfg
+    return _tuples(cfg)
+
+
+def _tuples(obj: Any) -> Any:
+    """OmegaConf hands back lists for tuple fields; restore tuples so configs stay hashable."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _tuples(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, list):
+        return tuple(_tuples(v) for v in obj)
+    return obj
 
 
 def load_config(overrides: list[str] | None = None, config_dir: Path = CONFIG_DIR) -> Config:

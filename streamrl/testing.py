@@ -26,10 +26,12 @@ CHAT_TEMPLATE = (
 )
 
 _WORDS = (
-    "the a model answer question number sum add plus minus times equals result step think "
-    "tool call observation user assistant system reward is of to and what how many total "
-    "compute value left right first second apple orange has gives takes each more less"
-).split()
+    "the", "a", "model", "answer", "question", "number", "sum", "add", "plus", "minus",
+    "times", "equals", "result", "step", "think", "tool", "call", "observation", "user",
+    "assistant", "system", "reward", "is", "of", "to", "and", "what", "how", "many", "total",
+    "compute", "value", "left", "right", "first", "second", "apple", "orange", "has", "gives",
+    "takes", "each", "more", "less",
+)
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:

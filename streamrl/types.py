@@ -60,10 +60,13 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 f"Trajectory {self.uid}: token_rewards has {len(self.token_rewards)} entries "
                 f"but response_ids has {n}"
             )
-        if any(m not in (0, 1) for m in self.loss_mask):
-            raise ValueError(f"Trajectory {self.uid}: loss_mask must hold only 0 and 1")
+        bad = next((m for m in self.loss_mask if m not in (0, 1)), None)
+        if bad is not None:
+            raise ValueError(f"Trajectory {self.uid}: loss_mask must hold only 0 and 1, got {bad}")
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory {self.uid}: reward={self.reward} is not finite")
+        if self.token_rewards is not None and not all(map(math.isfinite, self.token_rewards)):
+            raise ValueError(f"Trajectory {self.uid}: token_rewards holds a non-finite value")
 
     @property
     def policy_versions(self) -> list[int]:
@@ -82,7 +85,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
 
 
 class Group(msgspec.Struct, kw_only=True):
-    """The n trajectories sampled for one prompt: the unit the buffer moves (GRPO needs it whole)."""
+    """The n trajectories sampled for one prompt: the unit the buffer moves (GRPO needs all n)."""
 
     group_id: str
     trajectories: list[Trajectory]
@@ -104,7 +107,7 @@ class Group(msgspec.Struct, kw_only=True):
         return min(versions) if versions else None
 
     def staleness(self, learner_version: int) -> int:
-        """How many updates the oldest policy token of this group lags behind ``learner_version``."""
+        """How many updates this group's oldest policy token lags behind ``learner_version``."""
         oldest = self.min_version
         return 0 if oldest is None else learner_version - oldest
 

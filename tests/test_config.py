@@ -1,0 +1,134 @@
+"""Config composition, verl aliases, renamed keys and validation errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.config import (
+    VERL_ALIASES,
+    Config,
+    ConfigError,
+    load_config,
+    replace,
+    translate_overrides,
+    validate,
+)
+
+
+def test_defaults_compose_and_validate() -> None:
+    cfg = load_config()
+    assert cfg.trainer.mode == "fully_async"
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.rollout.backend == "vllm"
+    assert cfg.buffer.backend == "memory"
+    assert cfg.task.source == "toy"
+    assert cfg.max_staleness == cfg.buffer.max_staleness == 1
+    assert cfg.update_policy == "pause"
+    assert cfg.trainer.output_dir == "outputs/toy-grpo"  # interpolation resolved
+
+
+@pytest.mark.parametrize(("mode", "eta", "policy"), [
+    ("sync", 0, "drain"), ("one_step_off", 1, "drain"), ("fully_async", 3, "abort"),
+])
+def test_mode_presets(mode: str, eta: int, policy: str) -> None:
+    cfg = load_config([f"trainer.mode={mode}", "buffer.max_staleness=3",
+                       "weight_bus.update_policy=abort"])
+    assert cfg.trainer.mode == mode
+    assert cfg.max_staleness == eta
+    assert cfg.update_policy == policy
+
+
+def test_group_selection_and_verl_aliases() -> None:
+    cfg = load_config([
+        "algorithm=rloo", "buffer=redis", "rollout=hf",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "data.train_batch_size=32",
+        "trainer.total_epochs=3",
+        "actor_rollout_ref.actor.optim.lr=3e-6",
+        "trainer.logger=['console','wandb']",
+    ])
+    assert cfg.algorithm.adv_estimator == "rloo"
+    assert cfg.buffer.backend == "redis"
+    assert cfg.rollout.backend == "hf"
+    assert cfg.rollout.n == 4
+    assert cfg.actor.ppo_mini_batch_size == 8
+    assert cfg.actor.use_kl_loss and cfg.use_ref
+    assert cfg.task.train_batch_size == 32
+    assert cfg.trainer.total_epochs == 3
+    assert cfg.actor.optim.lr == pytest.approx(3e-6)
+    assert cfg.trainer.logger == ("console", "wandb")
+
+
+def test_every_alias_target_exists() -> None:
+    cfg = Config()
+    for verl_key, ours in VERL_ALIASES.items():
+        obj = cfg
+        for part in ours.split("."):
+            assert hasattr(obj, part), f"{verl_key} -> {ours}: no field {part!r}"
+            obj = getattr(obj, part)
+
+
+def test_gae_turns_on_critic() -> None:
+    assert load_config(["algorithm=ppo"]).use_critic
+
+
+def test_renamed_key_fails_with_migration_message() -> None:
+    with pytest.raises(ConfigError, match=r"buffer.staleness.*renamed to 'buffer.max_staleness'"):
+        translate_overrides(["buffer.staleness=2"])
+
+
+def test_unknown_key_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.nn"):
+        load_config(["rollout.nn=3"])
+
+
+def test_wrong_type_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.n"):
+        load_config(["rollout.n=many"])
+
+
+def test_bad_mode_names_value() -> None:
+    with pytest.raises(ConfigError, match=r"trainer.mode='turbo'"):
+        load_config(["trainer.mode=turbo"])
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"actor.ppo_mini_batch_size": 5}, r"actor.ppo_mini_batch_size=5: must divide"),
+    ({"rollout.n": 1}, r"rollout.n=1: must be >= 2 with algorithm.adv_estimator='grpo'"),
+    ({"buffer.max_staleness": -1}, r"buffer.max_staleness=-1: must be >= 0"),
+    ({"algorithm.adv_estimator": "magic"}, r"algorithm.adv_estimator='magic': must be one of"),
+    ({"actor.loss_agg_mode": "token-sum"}, r"actor.loss_agg_mode='token-sum'"),
+    ({"actor.policy_loss": "ppo3"}, r"actor.policy_loss='ppo3'"),
+    ({"actor.kl_loss_type": "k9"}, r"actor.kl_loss_type='k9'"),
+    ({"actor.ppo_micro_batch_size": 32}, r"actor.ppo_micro_batch_size=32: is larger than"),
+    ({"rollout.top_p": 0.0}, r"rollout.top_p=0.0"),
+    ({"rollout.top_k": 0}, r"rollout.top_k=0"),
+    ({"actor.clip_ratio_c": 1.0}, r"actor.clip_ratio_c=1.0"),
+    ({"actor.icepop_low": 0.5}, r"actor.icepop_low=0.5: set both"),
+    ({"buffer.max_staleness": 0}, r"buffer.max_staleness=0: must be >= 1 with trainer.mode"),
+    ({"weight_bus.backend": "colocated"}, r"weight_bus.backend='colocated': needs runtime"),
+    ({"reward.name": "custom"}, r"reward.custom_path=None: is required"),
+    ({"task.max_prompt_length": 600}, r"rollout.max_model_len=512"),
+    ({"actor.ppo_max_token_len": 10}, r"actor.ppo_max_token_len=10"),
+    ({"learner.world_size": 3}, r"must be divisible by learner.world_size=3"),
+    ({"trainer.logger": ("console", "tensorboard")}, r"trainer.logger='tensorboard'"),
+])
+def test_validate_names_key_and_value(changes: dict, pattern: str) -> None:
+    cfg = replace(Config(), **changes)
+    with pytest.raises(ConfigError, match=pattern):
+        validate(cfg)
+
+
+def test_valid_default_dataclass_passes() -> None:
+    assert validate(Config()) == Config()
+
+
+def test_cli_reports_config_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrl.cli import main
+
+    assert main(["config", "rollout.n=1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "rollout.n=1" in err
+    assert "Traceback" not in err
