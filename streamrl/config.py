@@ -465,6 +465,19 @@ def validate(cfg: Config) -> Config:
             _fail(lo_key, lo, f"set both {lo_key} and {hi_key}, or neither")
         if lo is not None and not 0 <= lo < hi:
             _fail(lo_key, lo, f"must satisfy 0 <= {lo_key} < {hi_key}={hi}")
+    # Importance weights must be applied once: bypass already uses the behaviour policy as the
+    # old policy, and decoupled PPO carries its own proximal/behaviour weight.
+    if not cfg.actor.recompute_log_prob and cfg.actor.tis_cap is not None:
+        _fail("actor.tis_cap", cfg.actor.tis_cap,
+              "cannot be combined with actor.recompute_log_prob=false (bypass)")
+    if not cfg.actor.recompute_log_prob and cfg.actor.policy_loss == "decoupled":
+        _fail("actor.policy_loss", cfg.actor.policy_loss,
+              "needs recomputed proximal log-probs: set actor.recompute_log_prob=true")
+    if cfg.actor.policy_loss == "decoupled" and (
+        cfg.actor.tis_cap is not None or cfg.actor.icepop_low is not None
+    ):
+        _fail("actor.policy_loss", cfg.actor.policy_loss,
+              "already weights by proximal/behaviour: unset actor.tis_cap and actor.icepop_*")
     if cfg.trainer.mode == "fully_async" and cfg.buffer.max_staleness < 1:
         _fail("buffer.max_staleness", cfg.buffer.max_staleness,
               "must be >= 1 with trainer.mode='fully_async' (0 is trainer.mode=sync)")

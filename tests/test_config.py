@@ -112,6 +112,10 @@ def test_bad_mode_names_value() -> None:
     ({"reward.name": "custom"}, r"reward.custom_path=None: is required"),
     ({"task.max_prompt_length": 600}, r"rollout.max_model_len=512"),
     ({"actor.ppo_max_token_len": 10}, r"actor.ppo_max_token_len=10"),
+    ({"actor.recompute_log_prob": False, "actor.tis_cap": 2.0}, r"actor.tis_cap=2.0: cannot"),
+    ({"actor.recompute_log_prob": False, "actor.policy_loss": "decoupled"},
+     r"actor.policy_loss='decoupled': needs recomputed"),
+    ({"actor.policy_loss": "decoupled", "actor.tis_cap": 2.0}, r"already weights"),
     ({"learner.world_size": 3}, r"must be divisible by learner.world_size=3"),
     ({"trainer.logger": ("console", "tensorboard")}, r"trainer.logger='tensorboard'"),
 ])
