@@ -1,0 +1,227 @@
+"""RewardScorer: reward functions in worker processes, with a per-call timeout.
+
+A reward function is user code: it may raise, hang, or return NaN. None of that may stall or
+crash a replica, so every call runs in a worker process and
+
+- an exception scores 0.0 (counted as ``failures``),
+- a call running past ``reward.timeout_s`` scores 0.0 (``timeouts``); its worker is killed and
+  replaced, so a hang never blocks later calls,
+- a non-finite score becomes 0.0 (``non_finite``).
+
+Each kind logs one warning line with the cause the first time, then every
+``LOG_EVERY``-th occurrence with the running count; ``metrics()`` has the exact counts.
+
+Design: ``reward.num_workers`` slots, each a one-process ``ProcessPoolExecutor`` (forkserver
+start method where available, else spawn: never fork a process that runs threads and torch).
+A one-process executor per slot is what lets us kill exactly the hung worker and nothing else.
+A call takes an idle slot first, so the timeout measures the function's run time, never time
+spent queueing behind other calls; a fresh worker's start-up and imports (``dispatch.warmup``)
+are likewise not charged to a call. The first workers start in the constructor, so a custom
+reward file that does not load fails there with a clear error instead of scoring everything 0.
+
+Calls may come from any one event loop at a time (the replica's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import threading
+from collections import Counter
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from streamrl.config import RewardConfig
+from streamrl.rollout_fleet.rewards import dispatch
+from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec
+
+logger = logging.getLogger(__name__)
+
+FAILURE_KINDS = ("failures", "timeouts", "non_finite")
+LOG_EVERY = 100
+
+
+class RewardConfigError(ValueError):
+    """The reward workers cannot start (e.g. the custom reward file does not load)."""
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        # Preloading the (light) dispatch module in the fork server makes replacement workers
+        # start in milliseconds. Ignored if the fork server is already running.
+        ctx.set_forkserver_preload(["streamrl.rollout_fleet.rewards.dispatch"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+class _Worker:
+    """One worker process behind a one-process executor."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext, spec: ScorerSpec) -> None:
+        self.executor = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+        self.ready: Future[int] = self.executor.submit(dispatch.warmup, spec)
+
+    def kill(self) -> None:
+        # The executor API cannot stop a running call; killing its only process can. The
+        # executor then fails its futures with BrokenProcessPool and is dropped.
+        for proc in list(getattr(self.executor, "_processes", {}).values()):
+            with contextlib.suppress(OSError, ValueError):  # already gone
+                proc.kill()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RewardScorer:
+    """Scores responses with the reward ``cfg`` selects; see the module docstring."""
+
+    def __init__(self, cfg: RewardConfig, *, start_timeout_s: float = 120.0) -> None:
+        if cfg.num_workers < 1:
+            raise ValueError(f"reward.num_workers={cfg.num_workers}: must be >= 1")
+        if cfg.timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={cfg.timeout_s}: must be > 0")
+        if cfg.name not in dispatch.NAMES:
+            raise ValueError(f"reward.name={cfg.name!r}: must be one of {dispatch.NAMES}")
+        if cfg.name == "custom" and not cfg.custom_path:
+            raise ValueError("reward.custom_path: required with reward.name=custom")
+        self.cfg = cfg
+        self.spec = ScorerSpec(cfg.name, cfg.custom_path, cfg.custom_name)
+        self._ctx = _mp_context()
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._extra_sum: Counter[str] = Counter()
+        self._extra_n: Counter[str] = Counter()
+        self._idle = [_Worker(self._ctx, self.spec) for _ in range(cfg.num_workers)]
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight = 0
+        self._closed = False
+        for worker in self._idle:
+            try:
+                worker.ready.result(timeout=start_timeout_s)
+            except Exception as exc:
+                self.close()
+                raise RewardConfigError(f"reward workers failed to start ({self.spec}): "
+                                        f"{type(exc).__name__}: {exc}") from exc
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    async def score(
+        self, data_source: str, solution_str: str, ground_truth: str | None,
+        extra_info: dict[str, Any],
+    ) -> float:
+        """The reward of one response; 0.0 (and counted) on failure, timeout or non-finite."""
+        score, _ = await self.score_with_info(data_source, solution_str, ground_truth, extra_info)
+        return score
+
+    async def score_with_info(
+        self, data_source: str, solution_str: str, ground_truth: str | None,
+        extra_info: dict[str, Any],
+    ) -> tuple[float, dict[str, float]]:
+        """Like ``score``, plus the extra numeric keys a dict-returning function gave."""
+        if self._closed:
+            raise RuntimeError("RewardScorer is closed")
+        with self._lock:
+            self._counts["calls"] += 1
+        async with self._semaphore():
+            self._in_flight += 1
+            worker = self._idle.pop()
+            try:
+                worker, result = await self._run(worker, (data_source, solution_str,
+                                                          ground_truth, extra_info))
+            finally:
+                self._in_flight -= 1
+                if self._closed:
+                    worker.kill()
+                else:
+                    self._idle.append(worker)
+        if isinstance(result, str):  # a failure kind and its cause
+            return 0.0, {}
+        score, extras = result
+        if not math.isfinite(score):
+            self._record("non_finite", f"{data_source}: score {score}")
+            return 0.0, {}
+        with self._lock:
+            for key, value in extras.items():
+                self._extra_sum[key] += value
+                self._extra_n[key] += 1
+        return score, extras
+
+    async def _run(
+        self, worker: _Worker, args: tuple[Any, ...]
+    ) -> tuple[_Worker, tuple[float, dict[str, float]] | str]:
+        """Run one call on ``worker``; returns the (possibly replaced) worker and the result,
+        or the failure kind as a string."""
+        try:
+            await asyncio.wrap_future(worker.ready)
+        except Exception as exc:
+            return self._replace(worker), self._record("failures", f"worker start: {exc!r}")
+        future = worker.executor.submit(dispatch.score_in_worker, self.spec, *args)
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            return self._replace(worker), self._record(
+                "timeouts", f"{args[0]}: no result after {self.cfg.timeout_s}s, worker replaced")
+        except BrokenProcessPool as exc:
+            return self._replace(worker), self._record("failures", f"{args[0]}: worker died: "
+                                                                   f"{exc}")
+        except asyncio.CancelledError:
+            if not future.done():  # the caller gave up: do not leave the call running
+                worker = self._replace(worker)
+            raise
+        except Exception as exc:
+            return worker, self._record("failures", f"{args[0]}: {type(exc).__name__}: {exc}")
+        return worker, result
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        return _Worker(self._ctx, self.spec)
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._sem_loop is not loop:
+            if self._in_flight:
+                raise RuntimeError("RewardScorer: called from a second event loop while calls "
+                                   "from another are in flight")
+            self._sem, self._sem_loop = asyncio.Semaphore(len(self._idle)), loop
+        assert self._sem is not None
+        return self._sem
+
+    def _record(self, kind: str, cause: str) -> str:
+        with self._lock:
+            self._counts[kind] += 1
+            n = self._counts[kind]
+        if n == 1 or n % LOG_EVERY == 0:
+            logger.warning("reward %s #%d (scored 0.0; reward.name=%s): %s", kind, n,
+                           self.cfg.name, cause)
+        return kind
+
+    # -- reporting and lifetime --------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Counts since start (calls, failures, timeouts, non_finite) and extra-key means."""
+        with self._lock:
+            out = {k: float(self._counts[k]) for k in ("calls", *FAILURE_KINDS)}
+            for key, total in self._extra_sum.items():
+                out[f"extra/{key}"] = total / self._extra_n[key]
+        return out
+
+    def close(self) -> None:
+        """Stop the worker processes (a running call is killed, not waited for)."""
+        self._closed = True
+        for worker in self._idle:
+            worker.kill()
+        self._idle = []
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_reward_scorer(cfg: RewardConfig) -> RewardScorer:
+    return RewardScorer(cfg)
