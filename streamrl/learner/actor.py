@@ -1,0 +1,180 @@
+"""The policy being trained (``Actor``) and its frozen reference copy (``ReferencePolicy``).
+
+``Actor.compute_log_prob`` recomputes the proximal ("old") log-probs with the current weights
+over exactly the micro-batches the first epoch of ``update`` will use, so the PPO ratio is
+exactly 1 at the first inner step. ``Actor.update`` runs ppo_epochs x mini-batches (whole
+groups, rows dealt to ranks) x micro-batches (token budget + packing, or fixed size + padding)
+through ``update_loop.run_update`` with the loss pg_loss - entropy_coeff * entropy
++ kl_loss_coef * kl_loss, every term normalised by the mini-batch's global token / sequence
+counts. Policy-loss modes and rollout corrections come from ``algos`` via ``PolicyLossConfig``.
+Depends on algos, batch, config and the learner's batching / forward / optim / update_loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from streamrl import algos
+from streamrl.batch import Batch
+from streamrl.config import ActorConfig, Config
+from streamrl.learner.batching import Plan
+from streamrl.learner.forward import MicroBatch, gather_rows, policy_forward
+from streamrl.learner.optim import build_lr_scheduler, build_optimizer
+from streamrl.learner.update_loop import Counts, MetricAccumulator, run_update
+
+Planner = Callable[[Batch], Plan]
+
+
+def policy_loss_config(actor: ActorConfig) -> algos.PolicyLossConfig:
+    """ActorConfig -> algos.PolicyLossConfig; recompute_log_prob=False is bypass mode."""
+    return algos.PolicyLossConfig(
+        loss_mode=actor.policy_loss,
+        clip_ratio=actor.clip_ratio,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        bypass=not actor.recompute_log_prob,
+        tis_cap=actor.tis_cap,
+        icepop_low=actor.icepop_low,
+        icepop_high=actor.icepop_high,
+        rejection_low=actor.rejection_low,
+        rejection_high=actor.rejection_high,
+    )
+
+
+def micro_batches(batch: Batch, plan: Plan, packed: bool) -> list[list[MicroBatch]]:
+    return [[MicroBatch.of(batch, rows, packed) for rows in mini] for mini in plan]
+
+
+def log_probs_over_plan(
+    model: nn.Module,
+    batch: Batch,
+    plan: Plan,
+    *,
+    packed: bool,
+    device: torch.device,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """[B, R] log-probs (and entropies) for the whole batch: this rank's rows computed, then
+    gathered from all ranks. No gradients."""
+    lp_parts: list[tuple[list[int], Tensor]] = []
+    ent_parts: list[tuple[list[int], Tensor]] = []
+    with torch.no_grad():
+        for mini in micro_batches(batch, plan, packed):
+            for mb in mini:
+                log_probs, entropy = policy_forward(
+                    model, mb, device, temperature=temperature, with_entropy=with_entropy
+                )
+                rows = [] if mb.dummy else mb.rows
+                lp_parts.append((rows, log_probs))
+                if entropy is not None:
+                    ent_parts.append((rows, entropy))
+    like = batch.tensors["rollout_log_probs"].to(device)
+    log_probs = gather_rows(lp_parts, len(batch), like)
+    entropy = gather_rows(ent_parts, len(batch), like) if with_entropy else None
+    return log_probs.cpu(), (entropy.cpu() if entropy is not None else None)
+
+
+class ReferencePolicy:
+    """A frozen copy of the initial policy (FSDP2-sharded like the actor, no optimizer)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
+
+    def compute_ref_log_prob(self, batch: Batch) -> Tensor:
+        log_probs, _ = log_probs_over_plan(
+            self.model, batch, self.planner(batch), packed=self.cfg.actor.use_dynamic_bsz,
+            device=self.device, temperature=self.cfg.rollout.temperature,
+        )
+        return log_probs
+
+
+class Actor:
+    """The trained policy: proximal log-probs and PPO-family updates."""
+
+    def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
+        self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
+        self.acfg = cfg.actor
+        self.loss_cfg = policy_loss_config(cfg.actor)
+        self.optimizer = build_optimizer(model, cfg.actor.optim)
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, cfg.actor.optim, cfg.trainer.total_steps
+        )
+
+    def compute_log_prob(
+        self, batch: Batch, with_entropy: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Proximal log-probs [B, R] with the current weights (and entropies if asked)."""
+        log_probs, entropy = log_probs_over_plan(
+            self.model, batch, self.planner(batch), packed=self.acfg.use_dynamic_bsz,
+            device=self.device, temperature=self.cfg.rollout.temperature,
+            with_entropy=with_entropy,
+        )
+        return (log_probs, entropy) if with_entropy else log_probs
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """One training step over ``batch`` (needs advantages, old_log_probs, ref_log_prob when
+        use_kl_loss); returns verl-named metrics averaged over mini-batches."""
+        required = ["advantages", "response_mask", "rollout_log_probs"]
+        if not self.loss_cfg.bypass:
+            required.append("old_log_probs")
+        if self.acfg.use_kl_loss:
+            required.append("ref_log_prob")
+        missing = [k for k in required if k not in batch.tensors]
+        if missing:
+            raise KeyError(f"Actor.update: batch lacks {missing} (run LearnerWorker.prepare and "
+                           f"compute advantages first)")
+        self.model.train()
+        out = run_update(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            micro_batches=micro_batches(batch, self.planner(batch), self.acfg.use_dynamic_bsz),
+            epochs=self.acfg.ppo_epochs,
+            grad_clip=self.acfg.grad_clip,
+            micro_loss=self._micro_loss,
+            prefix="actor",
+            device=self.device,
+        )
+        if self.acfg.use_kl_loss:
+            out["actor/kl_coef"] = self.acfg.kl_loss_coef
+        return out
+
+    def _micro_loss(self, mb: MicroBatch, counts: Counts, metrics: MetricAccumulator) -> Tensor:
+        acfg, dev = self.acfg, self.device
+        log_prob, entropy = policy_forward(
+            self.model, mb, dev, temperature=self.cfg.rollout.temperature, with_entropy=True
+        )
+        assert entropy is not None
+        if acfg.entropy_coeff == 0:
+            entropy = entropy.detach()  # a metric only
+        mask = mb.column("response_mask", dev)
+        rollout = mb.column("rollout_log_probs", dev)
+        old = rollout if self.loss_cfg.bypass else mb.column("old_log_probs", dev)
+        norm = {"num_tokens": counts.tokens, "num_seqs": counts.seqs}
+        pg_loss, pg_metrics = algos.compute_policy_loss_from_config(
+            self.loss_cfg, old, log_prob, mb.column("advantages", dev), mask,
+            rollout_log_prob=rollout, **norm,
+        )
+        ent = algos.agg_loss(entropy, mask, acfg.loss_agg_mode, **norm)
+        loss = pg_loss - acfg.entropy_coeff * ent
+        metrics.add_sum("actor/pg_loss", float(pg_loss.detach()))
+        metrics.add_sum("actor/entropy", float(ent.detach()))
+        if acfg.use_kl_loss:
+            kl = algos.compute_kl_loss(
+                log_prob, mb.column("ref_log_prob", dev), mask, acfg.kl_loss_type,
+                acfg.loss_agg_mode, **norm,
+            )
+            loss = loss + acfg.kl_loss_coef * kl
+            metrics.add_sum("actor/kl_loss", float(kl.detach()))
+        weight = float(mask.sum())
+        for key, value in pg_metrics.items():
+            metrics.add_mean(key, value, weight)
+        return loss

@@ -1,0 +1,143 @@
+"""One model forward on one micro-batch, with results on the padded [n, R] response grid.
+
+Parts:
+- ``policy_forward``: next-token log-probs (and optionally entropies) of the response tokens.
+- ``value_forward``: per-token values of a value model (the state before each response token).
+- ``gather_rows``: every rank's rows of a [B, R] result assembled on all ranks.
+
+Two layouts give the same numbers: *packed* (``Batch.pack``: the micro-batch's real tokens in
+one [1, T] row, position_ids restarting per sequence and ``attention_mask=None``, from which
+transformers builds a block-diagonal causal mask, so padding costs no compute) and *padded*
+(verl's [n, P+R] rows with an attention mask). Only positions that predict a response token go
+through the LM head (``logits_to_keep``). ``rows=[]`` runs a zero-weight dummy on row 0 so the
+rank still takes part in FSDP's collectives.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from streamrl import algos
+from streamrl.batch import Batch
+
+
+@dataclass
+class MicroBatch:
+    """Rows of a batch as one forward's input; ``mask`` is the response mask (zero for a dummy)."""
+
+    batch: Batch
+    rows: list[int]
+    packed: bool
+    dummy: bool = False
+
+    @classmethod
+    def of(cls, batch: Batch, rows: list[int], packed: bool) -> MicroBatch:
+        return cls(batch, rows or [0], packed, dummy=not rows)
+
+    def column(self, key: str, device: torch.device) -> Tensor:
+        """``batch[key]`` for these rows, on ``device``; zeros for a dummy's response mask."""
+        idx = torch.tensor(self.rows, device=self.batch.tensors[key].device)
+        out = self.batch.tensors[key][idx].to(device)
+        return torch.zeros_like(out) if self.dummy and key == "response_mask" else out
+
+
+def _packed_inputs(mb: MicroBatch, device: torch.device):
+    pb = mb.batch.pack(mb.rows).to(device)
+    keep = pb.predict_mask[0].nonzero().squeeze(-1)
+    return pb, keep
+
+
+def _scatter(values: Tensor, keep: Tensor, total: int) -> Tensor:
+    """Values at the kept positions placed into a [total] vector (zeros elsewhere)."""
+    return values.new_zeros(total).index_put((keep,), values)
+
+
+def policy_forward(
+    model: nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions.
+
+    Logits are divided by the sampling ``temperature`` first, so the log-probs are those of the
+    distribution the rollout sampled from (as verl).
+    """
+    if mb.packed:
+        pb, keep = _packed_inputs(mb, device)
+        logits = model(
+            input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False,
+            logits_to_keep=keep,
+        ).logits[0]
+        logits = logits / temperature if temperature != 1.0 else logits
+        total = pb.num_tokens
+        log_probs = pb.unpack_response(
+            _scatter(algos.logprobs_from_logits(logits, pb.targets[0, keep]), keep, total)
+        )
+        entropy = (
+            pb.unpack_response(_scatter(algos.entropy_from_logits(logits), keep, total))
+            if with_entropy else None
+        )
+        return log_probs, entropy
+    responses = mb.column("responses", device)
+    width = responses.shape[1]
+    logits = model(
+        input_ids=mb.column("input_ids", device),
+        attention_mask=mb.column("attention_mask", device),
+        position_ids=mb.column("position_ids", device),
+        use_cache=False,
+        logits_to_keep=width + 1,
+    ).logits[:, :-1]
+    logits = logits / temperature if temperature != 1.0 else logits
+    log_probs = algos.logprobs_from_logits(logits, responses)
+    entropy = algos.entropy_from_logits(logits) if with_entropy else None
+    # Zero the padding positions, as the packed layout does, so both layouts agree exactly.
+    valid = mb.column("attention_mask", device)[:, -width:].to(log_probs.dtype)
+    return log_probs * valid, (entropy * valid if entropy is not None else None)
+
+
+def value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Tensor:
+    """[n, R] fp32 values: the value head at the position just before each response token."""
+    with warnings.catch_warnings():
+        # The head's [.., 1] output is a view; FSDP2 warns about in-place edits of views, and
+        # nothing here edits outputs in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        return _value_forward(model, mb, device)
+
+
+def _value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Tensor:
+    if mb.packed:
+        pb = mb.batch.pack(mb.rows).to(device)
+        out = model(input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False)
+        return pb.unpack_response(out.logits[0, :, 0].float())
+    width = mb.batch.tensors["responses"].shape[1]
+    out = model(
+        input_ids=mb.column("input_ids", device),
+        attention_mask=mb.column("attention_mask", device),
+        position_ids=mb.column("position_ids", device),
+        use_cache=False,
+    )
+    valid = mb.column("attention_mask", device)[:, -width:].float()
+    return out.logits[:, -width - 1 : -1, 0].float() * valid
+
+
+def gather_rows(parts: list[tuple[list[int], Tensor]], num_rows: int, like: Tensor) -> Tensor:
+    """Assemble [num_rows, R] from this rank's (rows, values) parts and every other rank's.
+
+    Ranks own disjoint rows, so a SUM all-reduce over zero-filled tensors is an exact gather
+    (x + 0 == x in IEEE arithmetic) and needs no pickled objects.
+    """
+    out = like.new_zeros((num_rows, like.shape[-1]))
+    for rows, values in parts:
+        if rows:
+            out[torch.tensor(rows, device=out.device)] = values[: len(rows)].to(out.dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out

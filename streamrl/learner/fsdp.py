@@ -1,0 +1,178 @@
+"""FSDP2 plumbing: process group, device mesh, model loading, sharding, full-parameter gather.
+
+Parts:
+- ``init_distributed``: join (or reuse) the learner's process group; gloo on CPU, NCCL on GPU.
+- ``MeshSpec`` + ``parallelize``: the one place parallelism is composed, in a fixed order
+  (activation checkpointing, then ``fully_shard`` on each decoder layer, then on the root).
+- ``load_causal_lm`` / ``load_value_model``: HF models from a local directory, fp32 masters.
+- ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus.
+
+FSDP2 only (``torch.distributed.fsdp.fully_shard``): FSDP1 segfaults on full-state-dict offload
+on CPU (DESIGN.md §11). Parameter names are untouched by FSDP2 and by HF's gradient
+checkpointing, so the names a caller sees are the HF checkpoint names vLLM loads.
+Depends on torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is a clear error."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("learner.device='cuda' but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    if device != "cpu":
+        raise ValueError(f"learner.device={device!r}: must be one of auto, cpu, cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Join the learner process group unless one is already initialised (then it must match).
+
+    On GPU the group is ``cpu:gloo,cuda:nccl`` so CPU-side collectives (checkpoint plumbing)
+    work next to NCCL ones; each rank takes GPU ``rank % device_count``.
+    """
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"a process group is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+        return
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The learner's parallel layout. Only data-parallel sharding (FSDP2) for now; a TP or
+    SP degree would be one more field here and one more step in ``parallelize``."""
+
+    dp_shard: int
+    device_type: str = "cpu"
+    mixed_precision: bool = False
+    """bf16 params/activations with fp32 gradient reduction (GPU); fp32 throughout otherwise."""
+    gradient_checkpointing: bool = False
+
+    def build_mesh(self) -> DeviceMesh:
+        if dist.get_world_size() != self.dp_shard:
+            raise ValueError(
+                f"MeshSpec.dp_shard={self.dp_shard} but the process group has "
+                f"{dist.get_world_size()} ranks"
+            )
+        return init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp",))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of an HF model (``model.base_model.layers`` for Qwen2/Llama)."""
+    layers = getattr(model.base_model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__}: cannot find decoder layers at base_model.layers")
+    return layers
+
+
+def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
+    """Apply the parallelisms of ``spec`` to ``model`` in place, in this fixed order:
+
+    1. activation checkpointing (HF's, non-reentrant; it must see the unsharded layer forward),
+    2. ``fully_shard`` on every decoder layer (its params are gathered just for its forward),
+    3. ``fully_shard`` on the root (embeddings, final norm, head; tied weights stay together).
+    """
+    mesh = spec.build_mesh()
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if spec.mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+# fp32 masters everywhere: mixed precision casts per forward, the optimizer keeps fp32. sdpa
+# builds a block-diagonal mask from position_ids restarts when attention_mask is None
+# (transformers.masking_utils.find_packed_sequence_indices), which sequence packing relies on.
+_LOAD_KWARGS: dict[str, object] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+
+
+def load_causal_lm(path: str | os.PathLike[str], device: torch.device) -> nn.Module:
+    """An HF causal LM from a local directory, fp32, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), **_LOAD_KWARGS)
+    return model.to(device)
+
+
+def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.Module:
+    """A causal LM backbone with a scalar head (``AutoModelForTokenClassification``,
+    ``num_labels=1``, as verl's critic): the head is freshly initialised to zero so every value
+    starts at 0, and the whole thing still exports as an HF model."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(str(path))
+    config.num_labels = 1
+    config.classifier_dropout = 0.0  # the head's default dropout (0.1) would make values noisy
+    model = AutoModelForTokenClassification.from_pretrained(
+        str(path), config=config, **_LOAD_KWARGS
+    )
+    head = model.score
+    nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
+    return model.to(device)
+
+
+def iter_full_parameters(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` one parameter at a time, on rank 0 only.
+
+    Every rank must drive this generator to the end (each ``full_tensor()`` is a collective);
+    other ranks yield nothing. At most one gathered parameter exists beyond the shards at any
+    time. The tensors are read-only views valid until the next optimizer step (at world size 1
+    they may alias the live parameter).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank == 0:
+            yield name, full.detach().to(dtype or full.dtype)
+        del full

@@ -1,0 +1,173 @@
+"""The optimisation loop shared by actor and critic: epochs x mini-batches x micro-batches.
+
+Parts:
+- ``Counts``: a mini-batch's valid tokens and non-empty sequences, summed over all ranks. Every
+  micro-batch loss is normalised by these global counts, so micro-batch losses add up to the
+  mini-batch loss and the gradient does not depend on how the mini-batch is split.
+- ``MetricAccumulator``: per-mini-batch sums (loss terms) and token-weighted means (clip
+  fractions, KL), reduced across ranks in one all-reduce, then averaged over mini-batches.
+- ``run_update``: the loop. FSDP2 averages gradients over ranks, so each rank backpropagates
+  ``world_size x`` its (globally normalised) loss to get the exact sum. A non-finite loss or
+  gradient norm on any rank skips the optimizer step for everyone (weights and optimizer state
+  untouched) and is counted as ``<prefix>/skipped_steps``; a mini-batch without valid tokens
+  is skipped with a warning (``<prefix>/empty_minibatches``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from streamrl.learner.forward import MicroBatch
+
+log = logging.getLogger(__name__)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+    if _world() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def sync_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over all ranks."""
+    return int(all_reduce(torch.tensor([value], device=device), dist.ReduceOp.MAX).item())
+
+
+@dataclass(frozen=True)
+class Counts:
+    tokens: Tensor
+    """Valid (response_mask) tokens in the whole mini-batch, all ranks."""
+    seqs: Tensor
+    """Sequences with at least one valid token in the whole mini-batch, all ranks."""
+
+
+def global_counts(micros: list[MicroBatch], device: torch.device) -> Counts:
+    local = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in micros:
+        mask = mb.column("response_mask", device)
+        local[0] += mask.sum()
+        local[1] += (mask.sum(-1) > 0).sum()
+    total = all_reduce(local)
+    return Counts(tokens=total[0].float(), seqs=total[1].float())
+
+
+class MetricAccumulator:
+    """Collects one mini-batch's metrics on this rank; ``end_minibatch`` reduces over ranks."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = defaultdict(float)
+        self._weighted: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        self._history: dict[str, list[float]] = defaultdict(list)
+
+    def add_sum(self, key: str, value: float) -> None:
+        self._sums[key] += value
+
+    def add_mean(self, key: str, value: float, weight: float) -> None:
+        entry = self._weighted[key]
+        entry[0] += value * weight
+        entry[1] += weight
+
+    def record(self, key: str, value: float) -> None:
+        """A value already global for this mini-batch (grad norm)."""
+        self._history[key].append(value)
+
+    def end_minibatch(self, device: torch.device) -> None:
+        sums, weighted = sorted(self._sums), sorted(self._weighted)
+        flat = [self._sums[k] for k in sums]
+        for k in weighted:
+            flat.extend(self._weighted[k])
+        reduced = all_reduce(torch.tensor(flat, dtype=torch.float64, device=device)).tolist()
+        for i, k in enumerate(sums):
+            self._history[k].append(reduced[i])
+        for j, k in enumerate(weighted):
+            num, den = reduced[len(sums) + 2 * j : len(sums) + 2 * j + 2]
+            self._history[k].append(num / den if den > 0 else 0.0)
+        self._sums.clear()
+        self._weighted.clear()
+
+    def result(self) -> dict[str, float]:
+        return {k: sum(v) / len(v) for k, v in self._history.items() if v}
+
+
+MicroLoss = Callable[[MicroBatch, Counts, MetricAccumulator], Tensor]
+"""Computes one micro-batch's loss (normalised by the global counts) and records its metrics."""
+
+
+def run_update(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: list[list[MicroBatch]],
+    epochs: int,
+    grad_clip: float,
+    micro_loss: MicroLoss,
+    prefix: str,
+    device: torch.device,
+) -> dict[str, float]:
+    """Train ``epochs`` passes over ``micro_batches`` (mini -> micro); returns averaged metrics."""
+    metrics = MetricAccumulator()
+    skipped = empty = 0
+    scale = float(_world())
+    for _ in range(epochs):
+        for micros in micro_batches:
+            counts = global_counts(micros, device)
+            if counts.tokens.item() == 0:
+                log.warning("%s: skipping a mini-batch without valid tokens", prefix)
+                empty += 1
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for mb in micros:
+                loss = micro_loss(mb, counts, metrics)
+                finite = finite and bool(torch.isfinite(loss.detach()).item())
+                (loss * scale).backward()
+            grad_norm = _grad_norm(model, grad_clip)
+            any_bad = all_reduce(torch.tensor([0.0 if finite else 1.0], device=device),
+                                 dist.ReduceOp.MAX)
+            metrics.end_minibatch(device)
+            if any_bad.item() > 0 or not math.isfinite(grad_norm):
+                log.warning("%s: non-finite loss or gradient (grad_norm=%s); step skipped",
+                            prefix, grad_norm)
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            metrics.record(f"{prefix}/grad_norm", grad_norm)
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = metrics.result()
+    out[f"{prefix}/lr"] = float(scheduler.get_last_lr()[0])
+    with warnings.catch_warnings():
+        # The schedule advances per update even when every step was skipped (bad input);
+        # torch warns about a scheduler step without an optimizer step then.
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    out[f"{prefix}/skipped_steps"] = float(skipped)
+    out[f"{prefix}/empty_minibatches"] = float(empty)
+    return out
+
+
+def _grad_norm(model: nn.Module, grad_clip: float) -> float:
+    """Total gradient norm over all ranks (FSDP2 DTensor grads), clipping to ``grad_clip``
+    when it is > 0. Non-finite norms are returned as they are (the caller skips the step)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,184 @@
+"""Actor / reference policy / LearnerWorker at world size 1 (real FSDP2 on a gloo group)."""
+
+from __future__ import annotations
+
+import logging
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+from learner_helpers import free_port, make_batch, make_config, with_advantages
+
+from streamrl.learner.forward import MicroBatch, policy_forward, value_forward
+from streamrl.learner.fsdp import load_causal_lm, load_value_model
+from streamrl.learner.optim import lr_factor
+from streamrl.learner.worker import LearnerWorker
+
+CPU = torch.device("cpu")
+
+
+def make_worker(model_dir: Path, out: Path, **overrides) -> LearnerWorker:
+    cfg = make_config(model_dir, out, **overrides)
+    return LearnerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+
+
+def weights(worker: LearnerWorker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in worker.named_full_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_packed_and_padded_forward_agree(tiny_model_dir: Path) -> None:
+    batch = make_batch(3, 4, seed=3)
+    rows = [0, 2, 5, 7, 11]
+    model = load_causal_lm(tiny_model_dir, CPU)
+    packed = policy_forward(model, MicroBatch.of(batch, rows, True), CPU, with_entropy=True)
+    padded = policy_forward(model, MicroBatch.of(batch, rows, False), CPU, with_entropy=True)
+    valid = batch["attention_mask"][rows, -batch["responses"].shape[1]:].bool()
+    assert valid.sum() > 20 and (~valid).any()  # ragged: both layouts see padding
+    torch.testing.assert_close(packed[0], padded[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(packed[1], padded[1], atol=2e-5, rtol=0)
+    assert (packed[0][~valid] == 0).all() and (packed[0][valid] < 0).all()
+    # Without the block-diagonal mask, later sequences would attend to earlier ones.
+    solo = policy_forward(model, MicroBatch.of(batch, [rows[-1]], True), CPU)[0]
+    torch.testing.assert_close(packed[0][-1:], solo, atol=2e-5, rtol=0)
+    critic = load_value_model(tiny_model_dir, CPU)
+    torch.nn.init.normal_(critic.score.weight)
+    v_packed = value_forward(critic, MicroBatch.of(batch, rows, True), CPU)
+    v_padded = value_forward(critic, MicroBatch.of(batch, rows, False), CPU)
+    torch.testing.assert_close(v_packed, v_padded, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_ratio_is_exactly_one_at_first_inner_step(tiny_model_dir, tmp_path, dynamic) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path, **{"actor.use_dynamic_bsz": dynamic})
+    batch = worker.prepare(make_batch())
+    assert not torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    metrics = worker.update(with_advantages(batch, worker.cfg))
+    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/grad_norm"] > 0 and worker.version == 1
+    # Later inner steps (second mini-batch of a second epoch) see moved weights.
+    worker2 = make_worker(tiny_model_dir, tmp_path, **{"actor.use_dynamic_bsz": dynamic,
+                                                       "actor.ppo_mini_batch_size": 2,
+                                                       "actor.ppo_epochs": 2})
+    batch = with_advantages(worker2.prepare(make_batch()), worker2.cfg)
+    assert worker2.update(batch)["actor/ppo_kl"] != 0.0
+
+
+def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) -> None:
+    splits = {
+        "budget": {"actor.use_dynamic_bsz": True, "actor.ppo_max_token_len": 40},
+        "one_group": {"actor.use_dynamic_bsz": False, "actor.ppo_micro_batch_size": 1},
+        "whole": {"actor.use_dynamic_bsz": False, "actor.ppo_micro_batch_size": 4},
+    }
+    batch = make_batch()
+    results = {}
+    for name, overrides in splits.items():
+        worker = make_worker(tiny_model_dir, tmp_path, **{"actor.grad_clip": 0.0, **overrides})
+        prepared = with_advantages(worker.prepare(batch), worker.cfg)
+        metrics = worker.update(prepared)
+        results[name] = (metrics, weights(worker), prepared["old_log_probs"])
+    ref_metrics, ref_weights, ref_lp = results["whole"]
+    initial = weights(make_worker(tiny_model_dir, tmp_path))
+    moved = max_diff(ref_weights, initial)
+    for name in ("budget", "one_group"):
+        metrics, w, lp = results[name]
+        torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), key
+        # AdamW's first step is ~lr * sign(g): coordinates with |g| ~ eps amplify fp noise
+        assert max_diff(w, ref_weights) < 1e-2 * moved, name
+
+
+@pytest.mark.parametrize("overrides", [
+    {"actor.policy_loss": "gspo"},
+    {"actor.policy_loss": "cispo"},
+    {"actor.policy_loss": "decoupled"},
+    {"actor.tis_cap": 2.0, "actor.clip_ratio_high": 0.28},
+    {"actor.icepop_low": 0.5, "actor.icepop_high": 2.0, "actor.recompute_log_prob": False},
+    {"actor.rejection_low": 0.5, "actor.rejection_high": 2.0,
+     "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.entropy_coeff": 0.01},
+], ids=["gspo", "cispo", "decoupled", "tis", "icepop-bypass", "rejection"])
+def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path, **overrides)
+    before = weights(worker)
+    batch = make_batch(seed=5)
+    # behaviour log-probs near the model's own, so corrections keep most tokens
+    batch.tensors["rollout_log_probs"] = worker.actor.compute_log_prob(batch) + 0.05 * (
+        torch.randn_like(batch["rollout_log_probs"]) * batch["response_mask"])
+    prepared = worker.prepare(batch)
+    if overrides.get("actor.recompute_log_prob") is False:  # bypass
+        assert torch.equal(prepared["old_log_probs"], prepared["rollout_log_probs"])
+    metrics = worker.update(with_advantages(prepared, worker.cfg))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert metrics["actor/skipped_steps"] == 0 and max_diff(weights(worker), before) > 0
+    if "actor.tis_cap" in overrides or "actor.icepop_low" in overrides:
+        assert "rollout_corr/kl" in metrics
+
+
+def test_kl_loss_against_frozen_reference(tiny_model_dir, tmp_path) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path, **{"actor.use_kl_loss": True,
+                                                      "actor.kl_loss_coef": 0.1,
+                                                      "actor.kl_loss_type": "low_var_kl"})
+    batch = make_batch()
+    prepared = worker.prepare(batch)
+    assert torch.equal(prepared["ref_log_prob"], prepared["old_log_probs"])
+    metrics = worker.update(with_advantages(prepared, worker.cfg))
+    assert metrics["actor/kl_loss"] == 0.0 and metrics["actor/kl_coef"] == 0.1
+    again = worker.prepare(batch)
+    assert torch.equal(again["ref_log_prob"], prepared["ref_log_prob"])  # frozen
+    assert not torch.equal(again["old_log_probs"], prepared["old_log_probs"])  # trained
+    assert worker.update(with_advantages(again, worker.cfg))["actor/kl_loss"] > 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_loss_skips_the_step(tiny_model_dir, tmp_path, bad) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path)
+    before = weights(worker)
+    batch = with_advantages(worker.prepare(make_batch()), worker.cfg)
+    batch.tensors["advantages"][0, 0] = bad
+    metrics = worker.update(batch)
+    assert metrics["actor/skipped_steps"] == 1
+    assert max_diff(weights(worker), before) == 0
+    assert not worker.actor.optimizer.state  # AdamW never stepped
+    # a clean batch afterwards trains normally
+    clean = with_advantages(worker.prepare(make_batch()), worker.cfg)
+    assert worker.update(clean)["actor/skipped_steps"] == 0
+    assert max_diff(weights(worker), before) > 0
+
+
+def test_batch_without_valid_tokens_is_skipped(tiny_model_dir, tmp_path, caplog) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path)
+    before = weights(worker)
+    batch = make_batch()
+    batch.tensors["response_mask"] = torch.zeros_like(batch["response_mask"])
+    with caplog.at_level(logging.WARNING):
+        metrics = worker.update(with_advantages(worker.prepare(batch), worker.cfg))
+    assert metrics["actor/empty_minibatches"] == 1 and metrics["actor/skipped_steps"] == 0
+    assert "without valid tokens" in caplog.text
+    assert max_diff(weights(worker), before) == 0
+
+
+def test_lr_warmup_then_cosine(tiny_model_dir, tmp_path) -> None:
+    kw = {"warmup_steps": 2, "total_steps": 6, "schedule": "cosine", "min_lr_ratio": 0.1}
+    factors = [lr_factor(s, **kw) for s in range(7)]
+    assert factors[:3] == [0.5, 1.0, 1.0] and factors[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in pairwise(factors[1:]))
+    worker = make_worker(tiny_model_dir, tmp_path, **{"actor.optim.warmup_steps": 2})
+    batch = with_advantages(worker.prepare(make_batch()), worker.cfg)
+    lrs = [worker.update(batch)["actor/lr"] for _ in range(3)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])
+
+
+def test_full_parameters_have_hf_names_and_dtype(tiny_model_dir, tmp_path) -> None:
+    worker = make_worker(tiny_model_dir, tmp_path)
+    reference = load_causal_lm(tiny_model_dir, CPU)
+    expected = dict(reference.named_parameters())
+    got = dict(worker.named_full_parameters(torch.bfloat16))
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16
+        torch.testing.assert_close(tensor, expected[name].detach().to(torch.bfloat16))
