@@ -1,1 +1,64 @@
-"""streamrl.rollout_fleet."""
+"""The rollout fleet: engines behind one protocol, continuous replicas, rewards, routing.
+
+``make_engine(rollout, model_path, tokenizer)`` is the one place a backend is chosen (by
+``rollout.backend``); backends are imported only when picked, so importing this package stays
+cheap (it is also imported inside vLLM's worker process for the worker extension).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from streamrl.config import RolloutConfig
+from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "make_engine"]
+
+
+def make_engine(
+    rollout: RolloutConfig, model_path: str, tokenizer: Any = None, *, version: int = 0
+) -> RolloutEngine:
+    """Build the engine ``rollout.backend`` names for the HF model at ``model_path``.
+
+    ``tokenizer`` may be a tokenizer directory (used by vLLM) or a loaded tokenizer (ignored by
+    the engines, which load their own from ``model_path``). Building a vLLM engine blocks while
+    its engine-core process starts (tens of seconds on CPU).
+    """
+    import torch
+
+    tokenizer_path = tokenizer if isinstance(tokenizer, str) else None
+    if rollout.backend == "vllm":
+        from streamrl.rollout_fleet.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path, version=version)
+    if rollout.backend == "hf":
+        from streamrl.rollout_fleet.hf_engine import HFEngine
+
+        return HFEngine(
+            model_path, dtype=rollout.dtype, device="cuda" if torch.cuda.is_available() else "cpu",
+            seed=rollout.seed, max_model_len=rollout.max_model_len,
+            max_concurrency=rollout.max_inflight_groups, version=version,
+        )
+    if rollout.backend == "sglang":
+        from streamrl.rollout_fleet.sglang_engine import SGLangEngine
+
+        if version != 0:
+            raise ValueError(f"version={version}: an SGLang server starts serving model_path as "
+                             "version 0; newer versions arrive over the weight bus")
+        args = ["--dtype", rollout.dtype, "--context-length", str(rollout.max_model_len),
+                "--random-seed", str(rollout.seed),
+                "--mem-fraction-static", str(rollout.gpu_memory_utilization),
+                "--enable-memory-saver"]
+        if tokenizer_path:
+            args += ["--tokenizer-path", tokenizer_path]
+        if rollout.enforce_eager:
+            args.append("--disable-cuda-graph")
+        return SGLangEngine.launch(model_path, port=_free_port(), extra_args=args)
+    raise ValueError(f"rollout.backend={rollout.backend!r}: must be one of vllm, hf, sglang")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

