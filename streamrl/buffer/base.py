@@ -6,12 +6,24 @@ controller use). Backends: ``memory.MemoryBuffer`` (in-process) and ``redis.Redi
 
 Let B = groups per training step, eta = max staleness, V = learner version. A replica may
 *start* a group only while ``started < (V + eta + 1) * B``: admission control bounds staleness
-without dropping slow rollouts. ``take`` additionally never returns a group older than eta.
+without dropping slow rollouts. ``take`` additionally never returns a group older than eta;
+such a group is dropped and its admission slot returned, so admission never deadlocks.
+
+Accounting every backend keeps (checked by tests/buffer/test_admission_property.py)::
+
+    started  == consumed + queued + in_flight      # every admitted slot is somewhere
+    consumed == V * B  when the learner takes B groups per step
+    => capacity(V) - consumed == (eta + 1) * B >= B  # the learner can always be served
+
+Lifecycle: ``try_admit`` -> (replica samples) -> ``put`` | ``cancel_admission``; the learner
+``take``s, trains, checkpoints (recording the taken group ids), then ``ack``s. On resume from a
+checkpoint, ``rebase`` restarts the counters consistent with the restored learner version.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from streamrl.types import Group
@@ -36,6 +48,10 @@ class Admission:
     def may_start(self, started: int, learner_version: int) -> bool:
         return started < self.capacity(learner_version)
 
+    def slots_left(self, started: int, learner_version: int) -> int:
+        """How many more groups replicas may start now (0 when the bound is reached)."""
+        return max(0, self.capacity(learner_version) - started)
+
     def is_fresh(self, group: Group, learner_version: int) -> bool:
         return group.staleness(learner_version) <= self.max_staleness
 
@@ -46,6 +62,8 @@ class BufferStats:
     produced: int = 0
     consumed: int = 0
     queued: int = 0
+    started: int = 0
+    """Admission slots held: consumed + queued + in_flight (the bound compares this)."""
     in_flight: int = 0
     """Groups admitted (started) but not yet put."""
     dropped: int = 0
@@ -73,15 +91,44 @@ class ReplayBuffer(abc.ABC):
 
     @abc.abstractmethod
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
-        """Block until ``n`` groups no older than the bound are available; oldest first."""
+        """Block until ``n`` groups no older than the bound are available; oldest first.
+
+        Groups staler than eta at ``learner_version`` are dropped (counted, slot returned).
+        ``learner_version`` is also published if newer. Raises ``TimeoutError`` after
+        ``timeout`` seconds (``None``: wait forever; ``0``: do not wait).
+        """
 
     @abc.abstractmethod
     def ack(self, group_ids: list[str]) -> None:
-        """Mark taken groups as trained (after the update; with Redis, after the checkpoint)."""
+        """Mark taken groups as trained (after the update; with Redis, after the checkpoint).
+
+        Raises ``ValueError`` for ids that were not taken from this buffer or were acked already.
+        """
 
     @abc.abstractmethod
     def set_version(self, learner_version: int) -> None:
-        """Publish the learner version: opens admission for the next step's groups."""
+        """Publish the learner version: opens admission for the next step's groups.
+
+        Versions only move forward (``ValueError`` otherwise); use ``rebase`` to go back.
+        """
+
+    @abc.abstractmethod
+    def rebase(
+        self,
+        learner_version: int,
+        consumed: int,
+        skip_ids: Iterable[str] = (),
+        in_flight: int = 0,
+    ) -> None:
+        """Restart the counters after restoring a checkpoint taken at ``learner_version``.
+
+        ``consumed``: groups trained up to that checkpoint (normally ``learner_version * B``).
+        Taken-but-unacked groups go back to the queue, except ``skip_ids`` (already trained,
+        recorded in the checkpoint), which are acked and never delivered again. ``in_flight``:
+        admissions still held by replicas that survive the restart (0 when they all restarted).
+        Afterwards ``started = consumed + queued + in_flight``, so the bound holds and the
+        learner can be served.
+        """
 
     @abc.abstractmethod
     def stats(self) -> BufferStats: ...

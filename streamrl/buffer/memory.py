@@ -1,0 +1,190 @@
+"""In-process replay buffer: the embedded default backend (``buffer.backend=memory``).
+
+Parts: ``MemoryBuffer`` keeps a min-heap of queued groups keyed by (oldest policy version,
+arrival order), the admission counters of ``base.Admission``, and the taken-but-unacked groups.
+One ``threading.Condition`` guards all of it: replicas on other threads call ``try_admit`` /
+``put``; the learner's ``take`` waits on the condition until enough fresh groups are queued.
+
+asyncio: ``try_admit``, ``cancel_admission``, ``put``, ``ack``, ``set_version`` and ``stats``
+only take the lock briefly and may be called from a coroutine directly; ``take`` blocks, so
+call it as ``await asyncio.to_thread(buffer.take, n, version, timeout)``.
+
+Oldest first means lowest oldest-policy-version first: a slow group started under old weights
+is trained before it would go stale, instead of being overtaken by younger groups and dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Iterable
+
+from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.types import Group
+
+
+class MemoryBuffer(ReplayBuffer):
+    def __init__(self, groups_per_step: int, max_staleness: int) -> None:
+        self.admission = Admission(groups_per_step, max_staleness)
+        self._cond = threading.Condition()
+        self._heap: list[tuple[int, int, Group]] = []
+        self._arrival = itertools.count()
+        self._seen: set[str] = set()  # every group_id ever put: makes put idempotent
+        self._taken: dict[str, tuple[int, int, Group]] = {}  # taken, not acked: heap entries
+        self._version = 0
+        self._started = 0
+        self._in_flight = 0
+        self._produced = 0
+        self._consumed = 0
+        self._dropped = 0
+        self._staleness_sum = 0  # over groups taken by this process (rebase keeps it)
+        self._staleness_count = 0
+        self._staleness_max = 0
+        self._last_update_ts = time.time()
+
+    # -- replicas -------------------------------------------------------------------------
+    def try_admit(self) -> bool:
+        with self._cond:
+            if not self.admission.may_start(self._started, self._version):
+                return False
+            self._started += 1
+            self._in_flight += 1
+            self._touch()
+            return True
+
+    def cancel_admission(self) -> None:
+        with self._cond:
+            if self._in_flight <= 0:
+                raise ValueError("cancel_admission: no admitted group is in flight")
+            self._in_flight -= 1
+            self._started -= 1
+            self._touch()
+
+    def put(self, group: Group) -> None:
+        if not isinstance(group, Group):
+            raise TypeError(f"put: expected a Group, got {type(group).__name__}")
+        with self._cond:
+            if group.group_id in self._seen:
+                return
+            self._seen.add(group.group_id)
+            if self._in_flight > 0:
+                self._in_flight -= 1
+            else:
+                # A put without an admission (e.g. an externally closed episode) still takes a
+                # slot, so started == consumed + queued + in_flight keeps holding.
+                self._started += 1
+            self._produced += 1
+            oldest = group.min_version
+            key = self._version if oldest is None else oldest
+            heapq.heappush(self._heap, (key, next(self._arrival), group))
+            self._touch()
+            self._cond.notify_all()
+
+    # -- learner --------------------------------------------------------------------------
+    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
+        if n <= 0:
+            raise ValueError(f"take: n={n} must be > 0")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if learner_version > self._version:
+                self._version = learner_version
+            while True:
+                self._drop_stale(learner_version)
+                if len(self._heap) >= n:
+                    return self._pop(n, learner_version)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"take: {n} groups wanted, {len(self._heap)} queued, "
+                        f"{self._in_flight} in flight after {timeout} s"
+                    )
+                self._cond.wait(remaining)
+
+    def _drop_stale(self, learner_version: int) -> None:
+        # The heap is ordered by oldest version, so stale groups sit at its top.
+        while self._heap and not self.admission.is_fresh(self._heap[0][2], learner_version):
+            heapq.heappop(self._heap)
+            self._dropped += 1
+            self._started -= 1  # give the slot back: a replica may start a replacement
+            self._touch()
+
+    def _pop(self, n: int, learner_version: int) -> list[Group]:
+        entries = [heapq.heappop(self._heap) for _ in range(n)]
+        groups = [entry[2] for entry in entries]
+        for entry in entries:
+            group = entry[2]
+            staleness = group.staleness(learner_version)
+            self._staleness_sum += staleness
+            self._staleness_count += 1
+            self._staleness_max = max(self._staleness_max, staleness)
+            self._taken[group.group_id] = entry
+        self._consumed += n
+        self._touch()
+        return groups
+
+    def ack(self, group_ids: list[str]) -> None:
+        with self._cond:
+            unknown = [gid for gid in group_ids if gid not in self._taken]
+            if unknown:
+                raise ValueError(f"ack: group ids not taken or already acked: {unknown}")
+            for gid in group_ids:
+                del self._taken[gid]
+
+    def set_version(self, learner_version: int) -> None:
+        with self._cond:
+            if learner_version < self._version:
+                raise ValueError(
+                    f"set_version: learner_version={learner_version} < current {self._version} "
+                    "(use rebase to restart from an older checkpoint)"
+                )
+            self._version = learner_version
+            self._touch()
+            self._cond.notify_all()
+
+    def rebase(
+        self,
+        learner_version: int,
+        consumed: int,
+        skip_ids: Iterable[str] = (),
+        in_flight: int = 0,
+    ) -> None:
+        if learner_version < 0 or consumed < 0 or in_flight < 0:
+            raise ValueError(
+                f"rebase: learner_version={learner_version}, consumed={consumed}, "
+                f"in_flight={in_flight} must all be >= 0"
+            )
+        skip = set(skip_ids)
+        with self._cond:
+            # Taken but not acked and not recorded as trained: deliver again.
+            self._heap += [e for gid, e in self._taken.items() if gid not in skip]
+            self._taken.clear()
+            self._heap = [entry for entry in self._heap if entry[2].group_id not in skip]
+            heapq.heapify(self._heap)  # entries keep their arrival order
+            self._seen |= skip
+            self._version = learner_version
+            self._consumed = consumed
+            self._in_flight = in_flight
+            self._started = consumed + len(self._heap) + in_flight
+            self._touch()
+            self._cond.notify_all()
+
+    def stats(self) -> BufferStats:
+        with self._cond:
+            return BufferStats(
+                learner_version=self._version,
+                produced=self._produced,
+                consumed=self._consumed,
+                queued=len(self._heap),
+                started=self._started,
+                in_flight=self._in_flight,
+                dropped=self._dropped,
+                malformed=0,
+                staleness_mean=self._staleness_sum / max(1, self._staleness_count),
+                staleness_max=self._staleness_max,
+                last_update_ts=self._last_update_ts,
+            )
+
+    def _touch(self) -> None:
+        self._last_update_ts = time.time()

@@ -1,0 +1,588 @@
+"""Redis replay buffer (``buffer.backend=redis``): shared by processes and machines, inspectable.
+
+Parts: the key layout (``RunKeys``), the Lua scripts that keep every counter atomic with the
+data it describes, ``RedisBuffer`` (the ``ReplayBuffer`` backend) and ``print_stats`` (behind
+``streamrl buffer stats``).
+
+Keys of run ``<run>``::
+
+    streamrl:<run>:groups  stream, one msgspec-msgpack ``Group`` per entry (fields group_id,
+                           min_version, data); consumer group ``learners``, created at init
+    streamrl:<run>:stats   hash: learner_version produced consumed queued started in_flight
+                           dropped malformed staleness_mean staleness_max staleness_sum
+                           staleness_count groups_per_step max_staleness last_update_ts
+    streamrl:<run>:dead    stream, malformed entries (source_id, reason, original fields)
+    streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
+    streamrl:<run>:queued  set, entry ids put and not yet taken (queued = SCARD)
+    streamrl:<run>:taken   set, entry ids taken and not yet acked
+
+At a glance: ``redis-cli HGETALL streamrl:<run>:stats`` (counters, learner version) and
+``redis-cli XINFO GROUPS streamrl:<run>:groups`` (``lag``: entries no learner has read yet;
+``pending``: read, not yet acked).
+
+Learner lifecycle: XREADGROUP -> train -> checkpoint (with the taken group ids) -> ``ack``
+(XACK). After a crash the unacked entries are delivered again: a restarted learner with the same
+consumer name first reads its own pending entries (id 0); entries of a consumer that vanished
+are claimed with XAUTOCLAIM once idle longer than ``claim_idle_s`` (``rebase`` claims them all
+at once). Group ids already trained are passed back as ``skip_ids``: they are acked, not
+delivered twice. Entries that do not decode as a ``Group`` (garbage bytes, wrong type, missing
+fields) are acked, copied to the dead-letter stream, counted as ``malformed`` and logged with
+their id; they never reach, nor crash, the learner. Decoding is msgspec, never pickle.
+
+Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, which would make
+XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.types import DecodeError, Group, decode, encode
+
+log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "learners"
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    groups: str
+    stats: str
+    dead: str
+    ids: str
+    queued: str
+    taken: str
+
+    @classmethod
+    def of(cls, run: str) -> RunKeys:
+        if not _RUN_RE.match(run):
+            raise ValueError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
+        p = f"streamrl:{run}:"
+        return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken")
+
+
+# --- Lua: every counter moves in the same atomic step as the data it counts ------------------
+_TOUCH = """
+local function touch(h)
+  local t = redis.call('TIME')
+  redis.call('HSET', h, 'last_update_ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+end
+local function num(h, f) return tonumber(redis.call('HGET', h, f) or '0') end
+local function set_queued(h, q) redis.call('HSET', h, 'queued', redis.call('SCARD', q)) end
+"""
+
+_INIT = _TOUCH + """
+local h = KEYS[1]
+for _, f in ipairs({'learner_version', 'produced', 'consumed', 'queued', 'started', 'in_flight',
+                    'dropped', 'malformed', 'staleness_sum', 'staleness_count',
+                    'staleness_max', 'staleness_mean'}) do
+  redis.call('HSETNX', h, f, 0)
+end
+redis.call('HSETNX', h, 'groups_per_step', ARGV[1])
+redis.call('HSETNX', h, 'max_staleness', ARGV[2])
+if redis.call('HEXISTS', h, 'last_update_ts') == 0 then touch(h) end
+return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
+"""
+
+# The bound, checked and claimed in one step against the learner version read in the same step.
+_ADMIT = _TOUCH + """
+local h = KEYS[1]
+local v, b, eta = num(h, 'learner_version'), num(h, 'groups_per_step'), num(h, 'max_staleness')
+if num(h, 'started') < (v + eta + 1) * b then
+  redis.call('HINCRBY', h, 'started', 1)
+  redis.call('HINCRBY', h, 'in_flight', 1)
+  touch(h)
+  return 1
+end
+return 0
+"""
+
+_CANCEL = _TOUCH + """
+local h = KEYS[1]
+if num(h, 'in_flight') <= 0 then
+  return redis.error_reply('cancel_admission: no admitted group is in flight')
+end
+redis.call('HINCRBY', h, 'in_flight', -1)
+redis.call('HINCRBY', h, 'started', -1)
+touch(h)
+return 1
+"""
+
+# KEYS: stats ids groups queued; ARGV: group_id min_version data
+_PUT = _TOUCH + """
+local h = KEYS[1]
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+local id = redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[1], 'min_version', ARGV[2],
+                      'data', ARGV[3])
+redis.call('SADD', KEYS[4], id)
+if num(h, 'in_flight') > 0 then
+  redis.call('HINCRBY', h, 'in_flight', -1)
+else  -- put without admission: it still holds a slot, so started = consumed+queued+in_flight
+  redis.call('HINCRBY', h, 'started', 1)
+end
+redis.call('HINCRBY', h, 'produced', 1)
+set_queued(h, KEYS[4])
+touch(h)
+return 1
+"""
+
+# KEYS: stats; ARGV: version strict
+_SET_VERSION = _TOUCH + """
+local h = KEYS[1]
+local cur, v = num(h, 'learner_version'), tonumber(ARGV[1])
+if v < cur then
+  if ARGV[2] == '1' then
+    return redis.error_reply('set_version: learner_version=' .. v .. ' < current ' .. cur ..
+                             ' (resuming a checkpoint: use rebase; a new run: use another'
+                             .. ' buffer.run, or purge this one)')
+  end
+  return cur
+end
+redis.call('HSET', h, 'learner_version', v)
+touch(h)
+return v
+"""
+
+# KEYS: stats queued taken; ARGV: version, then (entry id, staleness) pairs
+_CONSUME = _TOUCH + """
+local h = KEYS[1]
+if tonumber(ARGV[1]) > num(h, 'learner_version') then
+  redis.call('HSET', h, 'learner_version', ARGV[1])
+end
+local n, ssum, smax = 0, 0, num(h, 'staleness_max')
+for i = 2, #ARGV, 2 do
+  -- Counted once per entry, even when a crash makes it delivered twice.
+  if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
+    if redis.call('SREM', KEYS[2], ARGV[i]) == 0 then
+      redis.call('HINCRBY', h, 'started', 1)  -- an entry that bypassed put
+      redis.call('HINCRBY', h, 'produced', 1)
+    end
+    local s = tonumber(ARGV[i + 1])
+    n = n + 1
+    ssum = ssum + s
+    if s > smax then smax = s end
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', h, 'consumed', n)
+  local cnt = redis.call('HINCRBY', h, 'staleness_count', n)
+  local sum = redis.call('HINCRBY', h, 'staleness_sum', ssum)
+  redis.call('HSET', h, 'staleness_max', smax, 'staleness_mean', string.format('%.4f', sum / cnt))
+end
+set_queued(h, KEYS[2])
+touch(h)
+return n
+"""
+
+# KEYS: stats queued taken groups dead; ARGV: entry_id kind reason consumer_group
+_DISCARD = _TOUCH + """
+local h, id, kind = KEYS[1], ARGV[1], ARGV[2]
+redis.call('XACK', KEYS[4], ARGV[4], id)
+local was_queued = redis.call('SREM', KEYS[2], id)
+local was_taken = redis.call('SREM', KEYS[3], id)
+if kind == 'dropped' then
+  redis.call('HINCRBY', h, 'dropped', 1)
+  -- give the admission slot back, so a replica can start a replacement (no deadlock)
+  if was_queued == 1 or was_taken == 1 then redis.call('HINCRBY', h, 'started', -1) end
+  if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
+elseif kind == 'malformed' then
+  redis.call('HINCRBY', h, 'malformed', 1)
+  if was_queued == 1 then redis.call('HINCRBY', h, 'started', -1) end
+  local fields = {'source_id', id, 'reason', ARGV[3]}
+  local entry = redis.call('XRANGE', KEYS[4], id, id)[1]
+  if entry then
+    for i = 1, #entry[2], 2 do
+      fields[#fields + 1] = 'field:' .. entry[2][i]
+      fields[#fields + 1] = entry[2][i + 1]
+    end
+  end
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', unpack(fields))
+elseif kind == 'skipped' then  -- trained before a restart (recorded in the checkpoint)
+  if was_queued == 1 then redis.call('HINCRBY', h, 'consumed', 1) end
+end
+set_queued(h, KEYS[2])
+touch(h)
+return 1
+"""
+
+# KEYS: stats taken groups; ARGV: consumer_group, entry ids...
+_ACK = _TOUCH + """
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
+  redis.call('SREM', KEYS[2], ARGV[i])
+end
+touch(KEYS[1])
+return n
+"""
+
+# KEYS: stats queued taken; ARGV: version consumed in_flight groups_per_step max_staleness
+_REBASE = _TOUCH + """
+local h = KEYS[1]
+redis.call('SUNIONSTORE', KEYS[2], KEYS[2], KEYS[3])  -- taken, not trained: deliver again
+redis.call('DEL', KEYS[3])
+local q = redis.call('SCARD', KEYS[2])
+redis.call('HSET', h, 'learner_version', ARGV[1], 'consumed', ARGV[2], 'in_flight', ARGV[3],
+           'queued', q, 'started', tonumber(ARGV[2]) + q + tonumber(ARGV[3]),
+           'groups_per_step', ARGV[4], 'max_staleness', ARGV[5])
+touch(h)
+return q
+"""
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisBuffer(ReplayBuffer):
+    """``ReplayBuffer`` over one Redis stream + consumer group (see the module docstring).
+
+    Replicas (any process) call ``try_admit`` / ``put``; one learner process (consumer name
+    ``consumer``) calls ``take`` / ``ack``. Take order is stream order (arrival); each returned
+    batch is sorted oldest policy version first.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        run: str,
+        groups_per_step: int,
+        max_staleness: int,
+        consumer: str = "learner-0",
+        skip_ids: Iterable[str] = (),
+        claim_idle_s: float = 60.0,
+        trim_acked: bool = True,
+        client: redis.Redis | None = None,
+    ) -> None:
+        self.admission = Admission(groups_per_step, max_staleness)
+        if claim_idle_s < 0:
+            raise ValueError(f"claim_idle_s={claim_idle_s}: must be >= 0")
+        self.run = run
+        self.keys = RunKeys.of(run)
+        self.consumer = consumer
+        self.claim_idle_ms = int(claim_idle_s * 1000)
+        self.trim_acked = trim_acked
+        self._r = client if client is not None else redis.Redis.from_url(redis_url)
+        self._url = redis_url
+        s = self._r.register_script
+        self._admit, self._cancel, self._put = s(_ADMIT), s(_CANCEL), s(_PUT)
+        self._set_version, self._consume = s(_SET_VERSION), s(_CONSUME)
+        self._discard, self._ack, self._rebase = s(_DISCARD), s(_ACK), s(_REBASE)
+        self._lock = threading.Lock()  # learner-side state below
+        self._skip: set[str] = set(skip_ids)
+        self._held: list[tuple[bytes, Group]] = []  # read, fresh, not yet returned
+        self._outstanding: dict[str, bytes] = {}  # group_id -> entry id: returned, not acked
+        self._recover_from: bytes | None = b"0"  # read own pending entries first (crash restart)
+        self._claim_from: bytes = b"0-0"
+        self._next_claim = 0.0
+        self._init_keys()
+
+    def _init_keys(self) -> None:
+        b, eta = self.admission.groups_per_step, self.admission.max_staleness
+        try:
+            self._r.xgroup_create(self.keys.groups, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        stored = self._r.eval(_INIT, 1, self.keys.stats, b, eta)
+        have_b, have_eta = int(stored[0]), int(stored[1])
+        if (have_b, have_eta) != (b, eta):
+            raise ValueError(
+                f"buffer run {self.run!r} at {self._url} was created with groups_per_step="
+                f"{have_b}, max_staleness={have_eta}; this process has groups_per_step={b}, "
+                f"max_staleness={eta}: use another buffer.run, or purge this one"
+            )
+
+    # -- replicas -------------------------------------------------------------------------
+    def try_admit(self) -> bool:
+        return bool(self._admit(keys=[self.keys.stats]))
+
+    def cancel_admission(self) -> None:
+        try:
+            self._cancel(keys=[self.keys.stats])
+        except redis.ResponseError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def put(self, group: Group) -> None:
+        if not isinstance(group, Group):
+            raise TypeError(f"put: expected a Group, got {type(group).__name__}")
+        oldest = group.min_version
+        self._put(
+            keys=[self.keys.stats, self.keys.ids, self.keys.groups, self.keys.queued],
+            args=[group.group_id, -1 if oldest is None else oldest, encode(group)],
+        )
+
+    # -- learner --------------------------------------------------------------------------
+    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
+        if n <= 0:
+            raise ValueError(f"take: n={n} must be > 0")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._set_version(keys=[self.keys.stats], args=[learner_version, 0])
+            while True:
+                self._held = [
+                    (eid, g) for eid, g in self._held if self._keep(eid, g, learner_version)
+                ]
+                if len(self._held) >= n:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                block = _POLL_MS if remaining is None else min(_POLL_MS, int(remaining * 1000))
+                for eid, fields in self._read(n - len(self._held), block if block > 0 else None):
+                    group = self._admit_entry(eid, fields)
+                    if group is not None and self._keep(eid, group, learner_version):
+                        self._held.append((eid, group))
+                if len(self._held) >= n:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"take: {n} groups wanted, {len(self._held)} ready after {timeout} s "
+                        f"(run {self.run!r}: see `streamrl buffer stats --run {self.run}`)"
+                    )
+            batch, self._held = self._held[:n], self._held[n:]
+            args: list[Any] = [learner_version]
+            for eid, group in batch:
+                args += [eid, group.staleness(learner_version)]
+                self._outstanding[group.group_id] = eid
+            self._consume(keys=[self.keys.stats, self.keys.queued, self.keys.taken], args=args)
+        batch.sort(key=lambda item: (_oldest(item[1]), item[0]))
+        return [group for _, group in batch]
+
+    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, dict]]:
+        """Next entries for this consumer: own pending after a restart, claims, then new ones."""
+        known = set(self._outstanding.values()) | {eid for eid, _ in self._held}
+        while self._recover_from is not None:
+            raw = self._xreadgroup(self._recover_from, count, None)
+            self._recover_from = raw[-1][0] if raw else None
+            got = [(eid, f) for eid, f in raw if eid not in known]
+            if got:
+                return got
+        now = time.monotonic()
+        if now >= self._next_claim:
+            self._next_claim = now + min(1.0, self.claim_idle_ms / 2000)
+            cursor, claimed, *_ = self._r.xautoclaim(
+                self.keys.groups, CONSUMER_GROUP, self.consumer, self.claim_idle_ms,
+                start_id=self._claim_from, count=count,
+            )
+            self._claim_from = cursor
+            claimed = [(eid, f) for eid, f in claimed if eid not in known]
+            if claimed:
+                log.warning("buffer %s: claimed %d unacked entries of a vanished learner",
+                            self.run, len(claimed))
+                return claimed
+        return self._xreadgroup(b">", count, block_ms)
+
+    def _xreadgroup(self, start: bytes, count: int, block_ms: int | None) -> list:
+        reply = self._r.xreadgroup(
+            CONSUMER_GROUP, self.consumer, {self.keys.groups: start}, count=count, block=block_ms
+        )
+        return list(reply[0][1]) if reply else []
+
+    def _admit_entry(self, eid: bytes, fields: dict | None) -> Group | None:
+        """Decode one entry; skipped or malformed entries are acked here and yield None."""
+        gid = _s(fields.get(b"group_id", b"")) if fields else ""
+        if gid and gid in self._skip:
+            self._discard_entry(eid, "skipped", "already trained (skip_ids)")
+            return None
+        if not fields:
+            self._discard_entry(eid, "malformed", "entry was deleted from the stream")
+            return None
+        data = fields.get(b"data")
+        if data is None:
+            self._discard_entry(eid, "malformed", "no 'data' field")
+            return None
+        try:
+            group = decode(data, Group)
+        except DecodeError as exc:
+            self._discard_entry(eid, "malformed", str(exc))
+            return None
+        if group.group_id != gid:
+            self._discard_entry(eid, "malformed", f"group_id field {gid!r} != {group.group_id!r}")
+            return None
+        return group
+
+    def _keep(self, eid: bytes, group: Group, learner_version: int) -> bool:
+        if self.admission.is_fresh(group, learner_version):
+            return True
+        reason = f"staleness {group.staleness(learner_version)} > {self.admission.max_staleness}"
+        self._discard_entry(eid, "dropped", reason)
+        return False
+
+    def _discard_entry(self, eid: bytes, kind: str, reason: str) -> None:
+        if kind != "skipped":
+            log.warning("buffer %s: %s entry %s: %s", self.run, kind, _s(eid), reason)
+        k = self.keys
+        self._discard(
+            keys=[k.stats, k.queued, k.taken, k.groups, k.dead],
+            args=[eid, kind, reason, CONSUMER_GROUP],
+        )
+
+    def ack(self, group_ids: list[str]) -> None:
+        with self._lock:
+            unknown = [gid for gid in group_ids if gid not in self._outstanding]
+            if unknown:
+                raise ValueError(f"ack: group ids not taken or already acked: {unknown}")
+            eids = [self._outstanding.pop(gid) for gid in group_ids]
+            if eids:
+                self._ack(keys=[self.keys.stats, self.keys.taken, self.keys.groups],
+                          args=[CONSUMER_GROUP, *eids])
+                if self.trim_acked:
+                    self._trim()
+
+    def _trim(self) -> None:
+        # Everything before the oldest pending entry (or after the last delivered one) is acked.
+        summary = self._r.xpending(self.keys.groups, CONSUMER_GROUP)
+        if summary["pending"]:
+            minid = summary["min"]
+        else:
+            group = _group_info(self._r, self.keys.groups)
+            ms, seq = _s(group["last-delivered-id"]).split("-")
+            minid = f"{ms}-{int(seq) + 1}"
+        self._r.xtrim(self.keys.groups, minid=minid, approximate=False)
+
+    def set_version(self, learner_version: int) -> None:
+        try:
+            self._set_version(keys=[self.keys.stats], args=[learner_version, 1])
+        except redis.ResponseError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def rebase(
+        self,
+        learner_version: int,
+        consumed: int,
+        skip_ids: Iterable[str] = (),
+        in_flight: int = 0,
+    ) -> None:
+        """See ``ReplayBuffer.rebase``. This learner claims every pending entry, acks the ones
+        in ``skip_ids`` and requeues the rest; call it from the only live learner."""
+        if learner_version < 0 or consumed < 0 or in_flight < 0:
+            raise ValueError(
+                f"rebase: learner_version={learner_version}, consumed={consumed}, "
+                f"in_flight={in_flight} must all be >= 0"
+            )
+        with self._lock:
+            self._skip |= set(skip_ids)
+            cursor: bytes = b"0-0"
+            while True:
+                cursor, *_ = self._r.xautoclaim(
+                    self.keys.groups, CONSUMER_GROUP, self.consumer, 0,
+                    start_id=cursor, count=1000,  # (redis-py drops the cursor with JUSTID)
+                )
+                if _s(cursor) == "0-0":
+                    break
+            start = b"0"
+            while got := self._xreadgroup(start, 1000, None):
+                for eid, fields in got:
+                    gid = _s(fields.get(b"group_id", b"")) if fields else ""
+                    if gid in self._skip:
+                        self._discard_entry(eid, "skipped", "already trained (skip_ids)")
+                start = got[-1][0]
+            self._held, self._outstanding = [], {}
+            self._recover_from, self._claim_from = b"0", b"0-0"
+            b, eta = self.admission.groups_per_step, self.admission.max_staleness
+            self._rebase(
+                keys=[self.keys.stats, self.keys.queued, self.keys.taken],
+                args=[learner_version, consumed, in_flight, b, eta],
+            )
+
+    def stats(self) -> BufferStats:
+        h = {_s(k): _s(v) for k, v in self._r.hgetall(self.keys.stats).items()}
+        return BufferStats(
+            learner_version=int(h.get("learner_version", 0)),
+            produced=int(h.get("produced", 0)),
+            consumed=int(h.get("consumed", 0)),
+            queued=int(h.get("queued", 0)),
+            started=int(h.get("started", 0)),
+            in_flight=int(h.get("in_flight", 0)),
+            dropped=int(h.get("dropped", 0)),
+            malformed=int(h.get("malformed", 0)),
+            staleness_mean=float(h.get("staleness_mean", 0.0)),
+            staleness_max=int(h.get("staleness_max", 0)),
+            last_update_ts=float(h.get("last_update_ts", 0.0)),
+        )
+
+    def purge(self) -> None:
+        """Delete every key of this run (tests, benchmarks, starting a run name afresh)."""
+        k = self.keys
+        self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken)
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _oldest(group: Group) -> int:
+    oldest = group.min_version
+    return sys.maxsize if oldest is None else oldest
+
+
+def _group_info(client: redis.Redis, stream: str) -> dict:
+    for info in client.xinfo_groups(stream):
+        if _s(info["name"]) == CONSUMER_GROUP:
+            return info
+    raise RuntimeError(f"{stream}: consumer group {CONSUMER_GROUP!r} is missing")
+
+
+# --- `streamrl buffer stats` -------------------------------------------------------------------
+_STAT_ROWS = ("learner_version", "groups_per_step", "max_staleness", "started", "produced",
+              "consumed", "queued", "in_flight", "dropped", "malformed", "staleness_mean",
+              "staleness_max")
+
+
+def print_stats(redis_url: str, run: str, file: Any = None) -> int:
+    """Print the stats hash and the consumer-group lag of ``run``; 0, or 1 with a message."""
+    out = file if file is not None else sys.stdout
+    try:
+        keys = RunKeys.of(run)
+        client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=10)
+        stats = {_s(k): _s(v) for k, v in client.hgetall(keys.stats).items()}
+        if not stats:
+            print(f"streamrl buffer stats: no buffer for run {run!r} at {redis_url} "
+                  f"(key {keys.stats} does not exist)", file=sys.stderr)
+            return 1
+        groups = client.xinfo_groups(keys.groups) if client.exists(keys.groups) else []
+        consumers = (client.xinfo_consumers(keys.groups, CONSUMER_GROUP)
+                     if any(_s(g["name"]) == CONSUMER_GROUP for g in groups) else [])
+        dead = client.xlen(keys.dead)
+    except (redis.RedisError, ValueError) as exc:
+        print(f"streamrl buffer stats: cannot read {redis_url} (run {run!r}): {exc}",
+              file=sys.stderr)
+        return 1
+    v, b, eta = (int(stats.get(f, 0)) for f in ("learner_version", "groups_per_step",
+                                                 "max_staleness"))
+    capacity = Admission(max(b, 1), eta).capacity(v)
+    started = int(stats.get("started", 0))
+    ts = float(stats.get("last_update_ts", 0.0))
+    print(f"streamrl buffer  run={run}  {redis_url}", file=out)
+    rows = [(name, stats.get(name, "-")) for name in _STAT_ROWS]
+    rows.append(("admission", f"{started}/{capacity} slots used (capacity (V+eta+1)*B), "
+                              f"{max(0, capacity - started)} free"))
+    rows.append(("dead_letters", str(dead)))
+    rows.append(("last_update", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+                 + f" ({time.time() - ts:.1f} s ago)"))
+    for name, value in rows:
+        print(f"  {name:<16} {value}", file=out)
+    print("", file=out)
+    header = ("consumer_group", "lag", "pending", "consumers", "last_delivered_id")
+    table = [header] + [
+        (_s(g["name"]), "?" if g.get("lag") is None else _s(g["lag"]), _s(g["pending"]),
+         _s(g["consumers"]), _s(g["last-delivered-id"]))
+        for g in groups
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip(), file=out)
+    for c in consumers:
+        print(f"    consumer {_s(c['name'])}: pending {c['pending']}, idle {c['idle']} ms",
+              file=out)
+    return 0

@@ -1,0 +1,177 @@
+"""The single controller: one training loop for sync, one_step_off and fully_async.
+
+The modes differ only by presets (DESIGN.md §1): the staleness bound eta the buffer admits
+(0, 1, buffer.max_staleness) and the update policy replicas apply when new weights land
+(drain, drain, weight_bus.update_policy). Everything heavy runs behind the runtime's small
+handles (``streamrl.runtime``): ``buffer`` (ReplayBuffer), ``learner`` (FSDP2 ranks),
+``weight_bus`` (publish to the rollout fleet) and ``fleet`` (continuously running replicas).
+Dependencies point down: controller -> runtime -> (buffer, learner, weight_bus, rollout_fleet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from streamrl import algos
+from streamrl.batch import Batch
+from streamrl.config import Config
+from streamrl.learner.checkpoint import find_latest
+from streamrl.metrics import MetricsLogger, Timer, rollout_metrics
+from streamrl.runtime import Runtime, build_runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+def with_advantages(batch: Batch, cfg: Config, kl_ctrl: algos.KLController) -> Batch:
+    """Token rewards (optionally KL-penalized) and advantages/returns: pure math, no workers."""
+    scores = batch["token_level_scores"]
+    if cfg.algorithm.use_kl_in_reward:
+        rewards, _ = algos.apply_kl_penalty(
+            scores, batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+            kl_ctrl, cfg.algorithm.kl_penalty,
+        )
+    else:
+        rewards = scores
+    data = {**batch.tensors, "token_level_rewards": rewards, "index": batch["index"]}
+    advantages, returns = algos.compute_advantage(
+        data, cfg.algorithm.adv_estimator, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
+        norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo, index_key="index",
+    )
+    return batch.union(Batch(tensors={
+        "token_level_rewards": rewards, "advantages": advantages, "returns": returns,
+    }))
+
+
+class Controller:
+    """Drives ``total_steps`` PPO/GRPO updates over a started runtime."""
+
+    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.rt = runtime
+        self.kl_ctrl = algos.get_kl_controller(
+            cfg.algorithm.kl_ctrl_type, cfg.algorithm.kl_coef, cfg.algorithm.target_kl,
+            cfg.algorithm.horizon,
+        )
+        self.unacked: list[str] = []
+        self.consumed = 0
+
+    def fit(self) -> TrainResult:
+        cfg, rt = self.cfg, self.rt
+        groups_per_step = cfg.task.train_batch_size
+        version = self._resume()
+        logger = MetricsLogger(
+            cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name,
+            cfg.trainer.experiment_name, config=dataclasses.asdict(cfg),
+        )
+        result = TrainResult(steps=version)
+        rt.fleet.start()
+        try:
+            while version < self.total_steps:
+                timer = Timer()
+                start = time.perf_counter()
+                with timer("take"):
+                    groups = rt.buffer.take(groups_per_step, version, cfg.buffer.take_timeout_s)
+                batch = Batch.from_groups(groups, rt.pad_token_id)
+                with timer("prepare"):
+                    batch = rt.learner.prepare(batch)
+                batch = with_advantages(batch, cfg, self.kl_ctrl)
+                with timer("update"):
+                    metrics = rt.learner.update(batch)
+                version += 1
+                if version % cfg.weight_bus.sync_every == 0:
+                    with timer("publish"):
+                        rt.weight_bus.publish(version)
+                rt.buffer.set_version(version)
+                self._consume([g.group_id for g in groups])
+                metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
+                tokens = int(batch["attention_mask"].sum())
+                metrics["throughput/tokens_per_s"] = tokens / (time.perf_counter() - start)
+                metrics.update(self._maybe_validate(version))
+                ckpt = self._maybe_checkpoint(version)
+                result.checkpoint = ckpt or result.checkpoint
+                metrics.update({f"buffer/{k}": float(v) for k, v in
+                                dataclasses.asdict(rt.buffer.stats()).items()})
+                logger.log(metrics, step=version)
+                result.history.append({"step": version, **metrics})
+                result.steps = version
+        finally:
+            rt.fleet.stop()
+            logger.close()
+        return result
+
+    @property
+    def total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.trainer.total_epochs > 0:
+            per_epoch = max(1, self.rt.num_train_prompts // cfg.task.train_batch_size)
+            return cfg.trainer.total_epochs * per_epoch
+        return cfg.trainer.total_steps
+
+    def _consume(self, group_ids: list[str]) -> None:
+        # With checkpoints on, groups are acked only once a checkpoint records them as trained:
+        # a crash before it re-delivers them (Redis) instead of losing them.
+        self.consumed += len(group_ids)
+        self.unacked.extend(group_ids)
+        if self.cfg.trainer.save_freq == 0:
+            self.rt.buffer.ack(self.unacked)
+            self.unacked = []
+
+    def _maybe_validate(self, version: int) -> dict[str, float]:
+        freq = self.cfg.trainer.test_freq
+        if freq and version % freq == 0:
+            return {f"val/{k}": v for k, v in self.rt.fleet.validate().items()}
+        return {}
+
+    def _maybe_checkpoint(self, version: int) -> str | None:
+        freq = self.cfg.trainer.save_freq
+        if not (freq and (version % freq == 0 or version == self.total_steps)):
+            return None
+        extra: dict[str, Any] = {
+            "consumed": self.consumed,
+            "trained_group_ids": self.unacked,
+            "fleet": self.rt.fleet.state(),
+        }
+        path = self.rt.learner.save_checkpoint(version, extra)
+        self.rt.buffer.ack(self.unacked)
+        self.unacked = []
+        return path
+
+    def _resume(self) -> int:
+        """Load the checkpoint trainer.resume names; rebase buffer and fleet to its version."""
+        cfg = self.cfg
+        path = None
+        if cfg.trainer.resume == "auto":
+            path = find_latest(cfg.trainer.output_dir)
+        elif cfg.trainer.resume != "disable":
+            path = cfg.trainer.resume
+        if path is None:
+            self.rt.buffer.set_version(0)
+            return 0
+        extra = self.rt.learner.load_checkpoint(str(path))
+        version = int(self.rt.learner.version)
+        self.consumed = int(extra.get("consumed", 0))
+        self.rt.buffer.rebase(version, self.consumed, skip_ids=extra.get("trained_group_ids", []))
+        self.rt.fleet.load_state(extra.get("fleet", {}))
+        self.rt.weight_bus.publish(version)
+        log.info("resumed from %s at step %d", path, version)
+        return version
+
+
+def run_training(cfg: Config) -> TrainResult:
+    """``streamrl train``: build the runtime the config describes and run the loop."""
+    torch.manual_seed(cfg.trainer.seed)
+    with build_runtime(cfg) as runtime:
+        return Controller(cfg, runtime).fit()

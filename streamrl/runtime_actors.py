@@ -1,0 +1,182 @@
+"""The two process roles the runtime places as Ray actors.
+
+- ``LearnerActor``: one FSDP2 rank (``learner.worker.LearnerWorker``); rank 0 also owns the
+  weight publisher, so ``publish(version)`` is every rank gathering full parameters in lockstep
+  and rank 0 putting them on the bus.
+- ``ReplicaActor``: one rollout replica (engine + continuous ``Replica`` loop + prompt stream +
+  reward scorer) and its weight receiver, whose sink applies the mode's update policy.
+
+Both are plain classes: ``runtime.build_runtime`` wraps them with ``ray.remote``; tests may
+use them in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from streamrl.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class LearnerActor:
+    def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str,
+                 master_port: int) -> None:
+        from streamrl.learner.worker import LearnerWorker
+        from streamrl.weight_bus.base import make_publisher
+
+        self.cfg = cfg
+        self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
+        self.publisher = make_publisher(cfg.weight_bus) if rank == 0 else None
+
+    def bus_endpoint(self) -> str:
+        assert self.publisher is not None, "only rank 0 publishes"
+        return str(self.publisher.endpoint)
+
+    def get_version(self) -> int:
+        return int(self.worker.version)
+
+    def prepare(self, batch: Any) -> Any:
+        return self.worker.prepare(batch)
+
+    def update(self, batch: Any) -> dict[str, float]:
+        return self.worker.update(batch)
+
+    def publish(self, version: int) -> dict[str, float]:
+        import torch
+
+        dtype = getattr(torch, self.cfg.rollout.dtype)
+        params = self.worker.named_full_parameters(dtype)
+        if self.publisher is None:
+            for _ in params:  # the other ranks take part in each gather
+                pass
+            return {}
+        stats = self.publisher.publish(version, params)
+        return {"weight_bus/seconds": stats.seconds, "weight_bus/bytes": float(stats.nbytes)}
+
+    def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
+        return self.worker.save_checkpoint(step, extra)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self.worker.load_checkpoint(path)
+
+    def export_hf(self, path: str) -> str | None:
+        return self.worker.export_hf(path)
+
+    def shutdown(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        self.worker.shutdown()
+
+
+class ReplicaActor:
+    """An async actor: the replica loop and the weight receiver share its event loop."""
+
+    def __init__(self, cfg: Config, model_path: str, index: int, buffer: Any,
+                 bus_endpoint: str | None) -> None:
+        self.cfg = cfg
+        self.model_path = model_path
+        self.index = index
+        self.buffer_handle = buffer
+        self.bus_endpoint = bus_endpoint
+        self.replica: Any = None
+        self.receiver: Any = None
+        self.cursor = 0
+
+    async def setup(self) -> None:
+        """Build engine, replica and receiver on the actor's event loop."""
+        from transformers import AutoTokenizer
+
+        from streamrl.buffer import make_buffer
+        from streamrl.data import PromptStream, make_prompt_source
+        from streamrl.rollout_fleet import make_engine
+        from streamrl.rollout_fleet.replica import Replica
+        from streamrl.rollout_fleet.rewards import make_reward_scorer
+        from streamrl.runtime import RemoteBuffer
+        from streamrl.weight_bus.base import make_receiver
+
+        cfg = self.cfg
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
+        self.engine = make_engine(cfg.rollout, self.model_path, self.tokenizer)
+        self.scorer = make_reward_scorer(cfg.reward)
+        if self.buffer_handle is not None:
+            buffer = RemoteBuffer(self.buffer_handle)
+        else:
+            buffer = make_buffer(cfg, cfg.task.train_batch_size, cfg.max_staleness)
+        self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
+        self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
+        # Each replica walks its own shuffled order, so replicas don't sample the same prompt.
+        self.prompts = PromptStream(self.source, cfg.task.shuffle,
+                                    cfg.task.seed + 7919 * self.index, cursor=self.cursor)
+        self.replica = Replica(self.engine, buffer, self.prompts, self.scorer, self.tokenizer,
+                               cfg.rollout, name=f"replica-{self.index}")
+        if self.bus_endpoint is not None:
+            policy = cfg.update_policy
+
+            async def sink(weights: Any, version: int) -> None:
+                await self.replica.update_weights(weights, version, policy)
+
+            self.receiver = make_receiver(
+                cfg.weight_bus, endpoint=self.bus_endpoint, sink=sink, engine=self.engine,
+                receiver_id=f"replica-{self.index}", loop=asyncio.get_running_loop(),
+            )
+
+    async def start(self) -> None:
+        self.replica.start()
+
+    async def stop(self) -> None:
+        if self.replica is not None and self.replica.running:
+            await self.replica.stop(cancel=True, timeout=60)
+
+    async def version(self) -> int:
+        return int(self.engine.version)
+
+    async def metrics(self) -> dict[str, float]:
+        return dict(self.replica.metrics())
+
+    async def validate(self) -> dict[str, float]:
+        """Greedy answers to every validation prompt, scored: mean reward and length."""
+        from streamrl.rollout_fleet.engine import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_new_tokens,
+                                stop=tuple(self.cfg.rollout.stop))
+        start = time.perf_counter()
+
+        async def one(i: int) -> tuple[float, int]:
+            prompt = self.val_source[i]
+            [completion] = await self.engine.generate(prompt.prompt_ids, params, f"val-{i}")
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            extra = {"max_new_tokens": params.max_tokens, **prompt.extra}
+            reward = await self.scorer.score(prompt.data_source, text, prompt.ground_truth, extra)
+            return reward, len(completion.token_ids)
+
+        results = await asyncio.gather(*(one(i) for i in range(len(self.val_source))))
+        if not results:
+            return {}
+        rewards = [r for r, _ in results]
+        return {
+            "reward/mean": sum(rewards) / len(rewards),
+            "response_length/mean": sum(n for _, n in results) / len(results),
+            "seconds": time.perf_counter() - start,
+        }
+
+    async def state(self) -> dict[str, Any]:
+        return {"cursor": int(self.prompts.cursor)}
+
+    async def load_state(self, state: dict[str, Any]) -> None:
+        from streamrl.data import PromptStream
+
+        self.cursor = int(state.get("cursor", 0))
+        self.prompts = PromptStream(self.source, self.cfg.task.shuffle,
+                                    self.cfg.task.seed + 7919 * self.index, cursor=self.cursor)
+        self.replica.prompts = self.prompts
+
+    async def shutdown(self) -> None:
+        await self.stop()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.scorer.close()
+        await self.engine.close()

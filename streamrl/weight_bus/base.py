@@ -1,0 +1,178 @@
+"""The two sides of the weight bus, and the factories that pick a backend.
+
+Parts:
+- ``WeightPublisher`` (learner rank 0): ``publish(version, named_tensors) -> PublishStats``,
+  ``close()``. ``named_tensors`` is consumed lazily, one full (unsharded) HF-named tensor at a
+  time, and always to the end (FSDP ranks gather in lockstep, even when a receiver fails).
+- ``WeightReceiver`` (replica side): receives each announced version and hands the whole version
+  to a ``WeightSink`` (``engine.load_weights`` or a replica's update entry point), ``close()``.
+- ``WeightSink``: ``async (weights, version) -> None``; the same shape as
+  ``RolloutEngine.load_weights``, so an engine is a sink and a replica adapts its
+  ``update_weights(weights, version, policy)`` with a lambda.
+- Errors: ``WeightBusError`` > ``WeightBusTimeout``, ``GroupAborted``, ``ReceiverDied``.
+- ``make_publisher`` / ``make_receiver``: choose the backend by ``weight_bus.backend``.
+
+Backends: ``collective.py`` (bucketed broadcast on a dedicated gloo/NCCL group, ZMQ control),
+``colocated.py`` (in-place swap in the learner's process), receivers ``vllm_receiver.py``
+(inside the vLLM worker) and ``sglang_receiver.py`` (SGLang's HTTP update API).
+Dependencies point inward: backends import this module, never the reverse (factories import lazily).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from streamrl.config import WeightBusConfig
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+WeightSink = Callable[[NamedTensors, int], Awaitable[None]]
+"""Where a received version goes: ``await sink(weights, version)`` must swap atomically.
+
+The tensors are views into receive buffers that are reused for the next version (no copy on
+the way in): a sink copies what it keeps, as every engine's ``load_weights`` does.
+"""
+
+
+class WeightBusError(RuntimeError):
+    """A weight transfer failed; the message says which version, generation and receivers."""
+
+
+class WeightBusTimeout(WeightBusError):
+    """A bounded wait on the weight bus ran out (``weight_bus.timeout_s``)."""
+
+
+class GroupAborted(WeightBusError):
+    """The learner gave a generation up (a peer died); receivers wait for the next announcement."""
+
+
+class ReceiverDied(WeightBusError):
+    """Receivers died during a publish; the group was re-formed for the survivors."""
+
+    def __init__(self, message: str, *, dead: dict[str, str], survivors: list[str],
+                 version: int, recovered: bool) -> None:
+        super().__init__(message)
+        self.dead = dead
+        """Receiver id -> why it counts as dead."""
+        self.survivors = survivors
+        self.version = version
+        self.recovered = recovered
+        """True when the survivors got ``version`` anyway (re-sent from the learner's copy)."""
+
+
+@dataclass(frozen=True)
+class PublishStats:
+    version: int
+    nbytes: int
+    num_tensors: int
+    num_buckets: int
+    seconds: float
+    """Wall time of ``publish`` (packing, wire and the ``received`` acks)."""
+    receivers: tuple[str, ...] = ()
+    """Receivers that acknowledged the version."""
+    generation: int = -1
+    """Weight-group generation the version went out on (-1: no group was needed)."""
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class WeightPublisher(abc.ABC):
+    """Learner side of the bus."""
+
+    @abc.abstractmethod
+    def publish(self, version: int, named_tensors: NamedTensors) -> PublishStats:
+        """Send ``version`` to every receiver; versions must strictly increase."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WeightReceiver(abc.ABC):
+    """Replica side of the bus: receives versions in the background and feeds its sink."""
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Latest version the sink loaded (-1 before the first)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_version(version: object, last: int) -> int:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"version={version!r}: must be an int >= 0")
+    if version <= last:
+        raise ValueError(f"version={version}: must be greater than the last published {last}")
+    return version
+
+
+def make_publisher(cfg: WeightBusConfig, *, engine: Any = None, **kwargs: Any) -> WeightPublisher:
+    """The learner-side bus ``weight_bus.backend`` names.
+
+    ``collective``: binds the control endpoint on ``cfg.master_addr:cfg.master_port`` (receivers
+    connect to ``publisher.endpoint``); NCCL when CUDA is available, else gloo; ``kwargs`` go to
+    ``CollectivePublisher``.
+    ``colocated``: needs ``engine`` (the engine living in this process).
+    """
+    if cfg.backend == "collective":
+        from streamrl.weight_bus.collective import CollectivePublisher
+
+        kwargs.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
+        return CollectivePublisher(
+            host=cfg.master_addr, port=cfg.master_port, bucket_mb=cfg.bucket_mb,
+            timeout_s=cfg.timeout_s, **kwargs,
+        )
+    if cfg.backend == "colocated":
+        from streamrl.weight_bus.colocated import ColocatedPublisher
+
+        if engine is None:
+            raise ValueError("weight_bus.backend='colocated' needs the in-process engine")
+        return ColocatedPublisher(engine, **kwargs)
+    raise ValueError(f"weight_bus.backend={cfg.backend!r}: must be 'collective' or 'colocated'")
+
+
+def make_receiver(
+    cfg: WeightBusConfig, *, endpoint: str, sink: WeightSink, engine: Any = None,
+    receiver_id: str | None = None, **kwargs: Any,
+) -> WeightReceiver:
+    """The replica-side bus for ``weight_bus.backend=collective``.
+
+    With a vLLM ``engine`` (anything with ``collective_rpc``) buckets land directly inside the
+    vLLM worker (``VLLMReceiver``); otherwise in this process (``CollectiveReceiver``). Either way
+    each version goes to ``sink`` whole.
+    """
+    if cfg.backend == "colocated":
+        raise ValueError("weight_bus.backend='colocated' has no receiver: the learner hands "
+                         "weights to the engine in its own process (ColocatedPublisher)")
+    if cfg.backend != "collective":
+        raise ValueError(f"weight_bus.backend={cfg.backend!r}: must be 'collective' or "
+                         "'colocated'")
+    if engine is not None and hasattr(engine, "collective_rpc"):
+        from streamrl.weight_bus.vllm_receiver import VLLMReceiver
+
+        return VLLMReceiver(endpoint, engine, sink=sink, receiver_id=receiver_id,
+                            timeout_s=cfg.timeout_s, **kwargs)
+    from streamrl.weight_bus.collective import CollectiveReceiver
+
+    return CollectiveReceiver(endpoint, sink, receiver_id=receiver_id, timeout_s=cfg.timeout_s,
+                              **kwargs)

