@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from streamrl.config import ConfigError
@@ -111,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
     except ConfigError as exc:

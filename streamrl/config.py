@@ -222,6 +222,8 @@ class RuntimeConfig:
     num_cpus: int | None = None
     cpus_per_replica: float = 1.0
     cpus_per_learner: float = 1.0
+    pin_cpus: bool = False
+    """Pin learner rank r to core r and replica i to core world_size + i (modulo the cores)."""
 
 
 @dataclass(frozen=True)

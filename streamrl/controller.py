@@ -106,7 +106,8 @@ class Controller:
                 metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
                 metrics["rollout/logprob_abs_diff"] = logprob_mismatch(batch)
                 tokens = int(batch["attention_mask"].sum())
-                metrics["throughput/tokens_per_s"] = tokens / (time.perf_counter() - start)
+                metrics["timing/step"] = time.perf_counter() - start
+                metrics["throughput/tokens_per_s"] = tokens / metrics["timing/step"]
                 metrics.update(self._maybe_validate(version))
                 ckpt = self._maybe_checkpoint(version)
                 result.checkpoint = ckpt or result.checkpoint

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -22,12 +23,20 @@ from streamrl.config import Config
 log = logging.getLogger(__name__)
 
 
+def pin_to_core(slot: int) -> None:
+    """Bind this process (and the engine processes it starts later) to one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[slot % len(cores)]})
+
+
 class LearnerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str,
                  master_port: int) -> None:
         from streamrl.learner.worker import LearnerWorker
         from streamrl.weight_bus.base import make_publisher
 
+        if cfg.runtime.pin_cpus:
+            pin_to_core(rank)
         self.cfg = cfg
         self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
         self.publisher = make_publisher(cfg.weight_bus) if rank == 0 else None
@@ -99,6 +108,8 @@ class ReplicaActor:
         from streamrl.weight_bus.base import make_receiver
 
         cfg = self.cfg
+        if cfg.runtime.pin_cpus:
+            pin_to_core(cfg.learner.world_size + self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = make_engine(cfg.rollout, self.model_path, self.tokenizer)
         self.scorer = make_reward_scorer(cfg.reward)
