@@ -100,7 +100,7 @@ class Controller:
                 version += 1
                 if version % cfg.weight_bus.sync_every == 0:
                     with timer("publish"):
-                        rt.weight_bus.publish(version)
+                        metrics.update(rt.weight_bus.publish(version))
                 rt.buffer.set_version(version)
                 self._consume([g.group_id for g in groups])
                 metrics.update(rollout_metrics(groups, version - 1), **timer.durations)

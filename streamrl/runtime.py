@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,18 +120,14 @@ class LearnerGroup:
 
 
 class WeightBus:
-    """Controller-side handle: the learner ranks gather and rank 0 sends; returns once every
+    """Controller-side handle: the learner ranks gather, rank 0 sends and waits until every
     replica serves ``version`` (so admission never opens for groups sampled by old weights)."""
 
-    def __init__(self, learner: LearnerGroup, fleet: Fleet, timeout_s: float) -> None:
+    def __init__(self, learner: LearnerGroup) -> None:
         self.learner = learner
-        self.fleet = fleet
-        self.timeout_s = timeout_s
 
     def publish(self, version: int) -> dict[str, float]:
-        stats = dict(self.learner._all("publish", version))
-        self.fleet.wait_version(version, self.timeout_s)
-        return stats
+        return dict(self.learner._all("publish", version))
 
 
 class Fleet:
@@ -146,17 +141,6 @@ class Fleet:
 
     def stop(self) -> None:
         ray.get([r.stop.remote() for r in self.replicas])
-
-    def wait_version(self, version: int, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            versions = ray.get([r.version.remote() for r in self.replicas])
-            if min(versions, default=version) >= version:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas serve versions {versions} {timeout_s:.0f}s after "
-                                   f"version {version} was published")
-            time.sleep(0.01)
 
     def validate(self) -> dict[str, float]:
         results = ray.get([r.validate.remote() for r in self.replicas[:1]])
@@ -258,11 +242,12 @@ def build_runtime(cfg: Config) -> Iterator[Runtime]:
         ]
         actors.extend(replicas)
         ray.get([r.setup.remote() for r in replicas])
+        ray.get(learners[0].wait_for_receivers.remote(len(replicas)))
         learner = LearnerGroup(learners)
         fleet = Fleet(replicas)
         yield Runtime(
             buffer=buffer, learner=learner,
-            weight_bus=WeightBus(learner, fleet, cfg.buffer.take_timeout_s), fleet=fleet,
+            weight_bus=WeightBus(learner), fleet=fleet,
             pad_token_id=int(tokenizer.pad_token_id),
             num_train_prompts=num_train_prompts,
         )

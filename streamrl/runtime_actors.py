@@ -54,7 +54,13 @@ class LearnerActor:
     def update(self, batch: Any) -> dict[str, float]:
         return self.worker.update(batch)
 
+    def wait_for_receivers(self, count: int) -> None:
+        assert self.publisher is not None, "only rank 0 publishes"
+        self.publisher.wait_for_receivers(count)
+
     def publish(self, version: int) -> dict[str, float]:
+        """Send ``version`` and return once every replica serves it (the loaded acks), so
+        admission never opens for groups sampled by older weights than the bound allows."""
         import torch
 
         dtype = getattr(torch, self.cfg.rollout.dtype)
@@ -64,6 +70,8 @@ class LearnerActor:
                 pass
             return {}
         stats = self.publisher.publish(version, params)
+        # A drain waits for in-flight groups to finish, which may take a whole generation.
+        self.publisher.wait_loaded(version, timeout=self.cfg.buffer.take_timeout_s)
         return {"weight_bus/seconds": stats.seconds, "weight_bus/bytes": float(stats.nbytes)}
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
@@ -141,9 +149,6 @@ class ReplicaActor:
     async def stop(self) -> None:
         if self.replica is not None and self.replica.running:
             await self.replica.stop(cancel=True, timeout=60)
-
-    async def version(self) -> int:
-        return int(self.engine.version)
 
     async def metrics(self) -> dict[str, float]:
         return dict(self.replica.metrics())
