@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from streamrl.batch import Batch
 from streamrl.buffer import make_buffer
 from streamrl.buffer.base import BufferStats, ReplayBuffer
-from streamrl.config import Config, replace
+from streamrl.config import Config, ConfigError, replace
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,14 @@ def build_runtime(cfg: Config) -> Iterator[Runtime]:
     from streamrl.runtime_actors import LearnerActor, ReplicaActor
     from streamrl.testing import resolve_model_path
 
+    if cfg.weight_bus.backend == "colocated":
+        # ColocatedPublisher hands weights to an engine in the learner's own process; here the
+        # learner and the engines are separate actors, so only the collective bus reaches them.
+        raise ConfigError(
+            "weight_bus.backend='colocated': streamrl train places learner ranks and engines in "
+            "separate Ray actors; use weight_bus.backend=collective (with "
+            "runtime.placement=colocated to share devices)"
+        )
     model_path = resolve_model_path(cfg.model.path)
     cfg = replace(cfg, **{"model.path": model_path})  # every worker loads the same directory
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)

@@ -136,3 +136,4 @@ def test_cli_reports_config_error_without_traceback(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "config error" in err and "rollout.n=1" in err
     assert "Traceback" not in err
+
