@@ -101,14 +101,13 @@ class ReplicaActor:
         self.bus_endpoint = bus_endpoint
         self.replica: Any = None
         self.receiver: Any = None
-        self.cursor = 0
 
     async def setup(self) -> None:
         """Build engine, replica and receiver on the actor's event loop."""
         from transformers import AutoTokenizer
 
         from streamrl.buffer import make_buffer
-        from streamrl.data import PromptStream, make_prompt_source
+        from streamrl.data import make_prompt_source
         from streamrl.rollout_fleet import make_engine
         from streamrl.rollout_fleet.replica import Replica
         from streamrl.rollout_fleet.rewards import make_reward_scorer
@@ -127,9 +126,7 @@ class ReplicaActor:
             buffer = make_buffer(cfg, cfg.task.train_batch_size, cfg.max_staleness)
         self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
-        # Each replica walks its own shuffled order, so replicas don't sample the same prompt.
-        self.prompts = PromptStream(self.source, cfg.task.shuffle,
-                                    cfg.task.seed + 7919 * self.index, cursor=self.cursor)
+        self.prompts = self._prompt_stream(cursor=0)
         self.replica = Replica(self.engine, buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}")
         if self.bus_endpoint is not None:
@@ -183,12 +180,15 @@ class ReplicaActor:
         return {"cursor": int(self.prompts.cursor)}
 
     async def load_state(self, state: dict[str, Any]) -> None:
+        self.prompts = self._prompt_stream(cursor=int(state.get("cursor", 0)))
+        self.replica.prompts = self.prompts
+
+    def _prompt_stream(self, cursor: int) -> Any:
         from streamrl.data import PromptStream
 
-        self.cursor = int(state.get("cursor", 0))
-        self.prompts = PromptStream(self.source, self.cfg.task.shuffle,
-                                    self.cfg.task.seed + 7919 * self.index, cursor=self.cursor)
-        self.replica.prompts = self.prompts
+        # Each replica walks its own shuffled order, so replicas don't sample the same prompt.
+        return PromptStream(self.source, self.cfg.task.shuffle,
+                            self.cfg.task.seed + 7919 * self.index, cursor=cursor)
 
     async def shutdown(self) -> None:
         await self.stop()
