@@ -60,6 +60,16 @@ class RolloutConfig:
     enforce_eager: bool = True
     seed: int = 0
     max_retries: int = 3
+    agent: str | None = None
+    """Multi-turn agent environment: a built-in name or ``module:Class`` (None: single turn)."""
+    max_turns: int = 4
+    """Assistant turns per agent episode."""
+    max_episode_tokens: int = 64
+    """Response-token budget of an agent episode (sampled + observation tokens), carried
+    across turns and aborts; single-turn groups use max_new_tokens."""
+    tool_timeout_s: float = 10.0
+    tools: tuple[str, ...] = ()
+    """Extra tools for the agent environment, as ``module:function`` names."""
 
 
 @dataclass(frozen=True)
