@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,13 +27,9 @@ from contextlib import contextmanager
 import redis
 
 from streamrl.buffer.redis import CONSUMER_GROUP, RedisBuffer
-from streamrl.types import Group, Trajectory, decode, encode
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from streamrl.net import free_port
+from streamrl.testing import make_trajectory
+from streamrl.types import Group, decode, encode
 
 
 @contextmanager
@@ -66,18 +61,17 @@ def redis_server() -> Iterator[str]:
 
 
 def make_groups(count: int, n: int, prompt_len: int, response_len: int) -> list[Group]:
-    groups = []
-    for g in range(count):
-        gid = f"g{g:07d}"
-        trajs = [
-            Trajectory(uid=f"{gid}-{i}", group_id=gid, prompt_ids=list(range(prompt_len)),
-                       response_ids=[(7 * j) % 50000 for j in range(response_len)],
-                       loss_mask=[1] * response_len, logprobs=[-0.1234567] * response_len,
-                       versions=[0] * response_len, reward=1.0)
+    return [
+        Group(group_id=f"g{g:07d}", trajectories=[
+            make_trajectory(f"g{g:07d}-{i}", f"g{g:07d}", response_len,
+                            prompt_ids=list(range(prompt_len)),
+                            response_ids=[(7 * j) % 50000 for j in range(response_len)],
+                            logprobs=[-0.1234567] * response_len, versions=[0] * response_len,
+                            reward=1.0)
             for i in range(n)
-        ]
-        groups.append(Group(group_id=gid, trajectories=trajs))
-    return groups
+        ])
+        for g in range(count)
+    ]
 
 
 def timed(fn: Callable[[], None]) -> float:

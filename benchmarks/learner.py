@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from streamrl.batch import Batch
 from streamrl.config import Config, replace, validate
 from streamrl.learner.fsdp import load_causal_lm
 from streamrl.learner.worker import LearnerWorker
+from streamrl.net import free_port
 from streamrl.testing import build_tiny_model
 from streamrl.types import Group, Trajectory
 
@@ -56,12 +56,6 @@ def ragged_batch(seed: int = 0, vocab: int = 300) -> Batch:
                 logprobs=[-5.0] * r, versions=[0] * r, reward=rng.random()))
         groups.append(Group(group_id=f"g{g}", trajectories=trajs))
     return Batch.from_groups(groups, 0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def config(model_dir: Path, out: Path, dynamic: bool) -> Config:

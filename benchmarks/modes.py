@@ -22,10 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from streamrl.config import load_config
+from streamrl.config import MODES, load_config
 from streamrl.controller import run_training
-
-MODES = ("sync", "one_step_off", "fully_async")
 
 
 def measure(mode: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, float]:

@@ -15,18 +15,9 @@ from streamrl.config import ConfigError
 
 def _train(args: argparse.Namespace) -> int:
     from streamrl.config import load_config
+    from streamrl.controller import run_training
 
-    cfg = load_config(args.overrides)
-    try:
-        from streamrl.controller import run_training
-    except ImportError:
-        print(
-            "streamrl train: the training controller is not yet available in this build "
-            f"(config is valid: mode={cfg.trainer.mode}, estimator={cfg.algorithm.adv_estimator}).",
-            file=sys.stderr,
-        )
-        return 2
-    run_training(cfg)
+    run_training(load_config(args.overrides))
     return 0
 
 
@@ -59,21 +50,15 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _buffer_stats(args: argparse.Namespace) -> int:
-    try:
-        from streamrl.buffer.redis import print_stats
-    except ImportError:
-        print("streamrl buffer stats: the Redis buffer is not yet available", file=sys.stderr)
-        return 2
+    from streamrl.buffer.redis import print_stats
+
     return print_stats(args.redis_url, args.run)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    try:
-        from streamrl.serve import main as serve_main
-    except ImportError:
-        print("streamrl serve: not yet available in this build", file=sys.stderr)
-        return 2
-    return serve_main(args.overrides)
+    print("streamrl serve: not built yet (the OpenAI-compatible rollout service is an open "
+          "issue); use streamrl train", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,14 +2,18 @@
 
 Parts:
 - the dataclasses (``Config`` is the root; one field per component),
+- ``MODE_PRESETS``: what each ``trainer.mode`` fixes (staleness bound eta, update policies);
+  the only place a mode's values are written (``configs/mode/*.yaml`` show the same values,
+  checked by a test), and ``with_mode(cfg, mode)`` to apply one in Python,
 - ``register_configs()``: puts them in Hydra's ConfigStore (``configs/`` YAML groups build on them),
-- ``VERL_ALIASES``: verl's dotted keys accepted as overrides, and ``translate_overrides``,
-- ``RENAMED_KEYS``: keys that moved, failing with a migration message,
 - ``validate(cfg)``: every inconsistent setting becomes one ``ConfigError`` naming key and value,
-- ``load_config(overrides)``: compose ``configs/config.yaml`` + overrides into a validated Config.
+  including every setting a mode would contradict or that could never make progress,
+- ``load_config(overrides)``: compose ``configs/config.yaml`` + overrides into a validated Config
+  (verl-style keys are translated by ``config_compat``).
 
 Defaults live here, in the dataclasses, never in ``cfg.get(key, default)`` calls elsewhere.
-This module depends on nothing else in streamrl except the name lists of ``algos``.
+This module depends on nothing else in streamrl except the name lists of ``algos`` and the
+override translation of ``config_compat``.
 """
 
 from __future__ import annotations
@@ -21,13 +25,38 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-MODES = ("sync", "one_step_off", "fully_async")
+from streamrl.config_compat import translate_overrides
+from streamrl.errors import ConfigError
+
+__all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "validate",
+           "with_mode"]
+
 UPDATE_POLICIES = ("drain", "pause", "abort")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-class ConfigError(ValueError):
-    """An invalid or inconsistent setting; the message names the key and the value."""
+@dataclass(frozen=True)
+class ModePreset:
+    """What a ``trainer.mode`` fixes (DESIGN.md §1)."""
+
+    max_staleness: int | None
+    """The staleness bound eta; None: chosen by ``buffer.max_staleness`` (>= 1)."""
+    update_policies: tuple[str, ...]
+    """Allowed ``weight_bus.update_policy`` values; the first is the mode's default."""
+    overlap: str
+    """What runs at the same time (for people reading the table)."""
+
+
+MODE_PRESETS: dict[str, ModePreset] = {
+    "sync": ModePreset(0, ("drain",), "nothing: batch V+1 is sampled by weights V"),
+    "one_step_off": ModePreset(1, ("drain",), "sampling of batch V+1 with training of V"),
+    "fully_async": ModePreset(None, ("pause", "abort", "drain"), "everything, continuously"),
+}
+"""Also fixed by every mode: replicas must never lag more versions behind than eta allows, so
+``weight_bus.sync_every <= eta + 1`` (a group sampled by weights published k steps ago is k
+versions stale; with k > eta, every group would be too stale to take)."""
+MODES = tuple(MODE_PRESETS)
+FULLY_ASYNC_DEFAULT_STALENESS = 1
 
 
 @dataclass(frozen=True)
@@ -35,10 +64,7 @@ class ModelConfig:
     path: str = MISSING
     """HF model directory (a tiny random model is built on the fly when ``path=tiny``)."""
     tokenizer_path: str | None = None
-    dtype: str = "float32"
-    """Training master dtype on CPU; on GPU the learner uses bf16 mixed precision."""
     gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,8 +210,8 @@ class BufferConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     run: str = "default"
     """Key namespace: streamrl:<run>:groups, streamrl:<run>:stats."""
-    max_staleness: int = 1
-    """eta for fully_async; sync forces 0 and one_step_off forces 1."""
+    max_staleness: int = FULLY_ASYNC_DEFAULT_STALENESS
+    """The staleness bound eta; fixed by trainer.mode (MODE_PRESETS) except in fully_async."""
     take_timeout_s: float = 600.0
 
 
@@ -196,8 +222,8 @@ class WeightBusConfig:
     bucket_mb: int = 64
     timeout_s: float = 60.0
     sync_every: int = 1
-    update_policy: str = "pause"
-    """drain | pause | abort (fully_async only; sync and one_step_off always drain)"""
+    update_policy: str = MODE_PRESETS["fully_async"].update_policies[0]
+    """drain | pause | abort; sync and one_step_off allow only drain (MODE_PRESETS)."""
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     """0: pick a free port."""
@@ -224,7 +250,6 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    use_ray: bool = True
     address: str | None = None
     """None: start a local Ray cluster."""
     placement: str = "disaggregated"
@@ -252,119 +277,12 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     @property
-    def max_staleness(self) -> int:
-        """The staleness bound eta the mode implies (DESIGN.md §1 table)."""
-        return {"sync": 0, "one_step_off": 1}.get(self.trainer.mode, self.buffer.max_staleness)
-
-    @property
-    def update_policy(self) -> str:
-        return self.weight_bus.update_policy if self.trainer.mode == "fully_async" else "drain"
-
-    @property
     def use_critic(self) -> bool:
         return self.critic.enable or self.algorithm.adv_estimator == "gae"
 
     @property
     def use_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-
-
-# verl's dotted keys -> ours. Values are taken as they are.
-VERL_ALIASES: dict[str, str] = {
-    "actor_rollout_ref.model.path": "model.path",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
-    "actor_rollout_ref.rollout.n": "rollout.n",
-    "actor_rollout_ref.rollout.name": "rollout.backend",
-    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
-    "actor_rollout_ref.rollout.top_p": "rollout.top_p",
-    "actor_rollout_ref.rollout.top_k": "rollout.top_k",
-    "actor_rollout_ref.rollout.response_length": "rollout.max_new_tokens",
-    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "actor_rollout_ref.rollout.enforce_eager": "rollout.enforce_eager",
-    "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
-    "actor_rollout_ref.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len",
-    "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
-    "actor_rollout_ref.actor.clip_ratio": "actor.clip_ratio",
-    "actor_rollout_ref.actor.clip_ratio_low": "actor.clip_ratio_low",
-    "actor_rollout_ref.actor.clip_ratio_high": "actor.clip_ratio_high",
-    "actor_rollout_ref.actor.clip_ratio_c": "actor.clip_ratio_c",
-    "actor_rollout_ref.actor.loss_agg_mode": "actor.loss_agg_mode",
-    "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
-    "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coeff",
-    "actor_rollout_ref.actor.use_kl_loss": "actor.use_kl_loss",
-    "actor_rollout_ref.actor.kl_loss_coef": "actor.kl_loss_coef",
-    "actor_rollout_ref.actor.kl_loss_type": "actor.kl_loss_type",
-    "actor_rollout_ref.actor.grad_clip": "actor.grad_clip",
-    "actor_rollout_ref.actor.optim.lr": "actor.optim.lr",
-    "actor_rollout_ref.actor.optim.weight_decay": "actor.optim.weight_decay",
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
-    "critic.optim.lr": "critic.optim.lr",
-    "critic.cliprange_value": "critic.cliprange_value",
-    "critic.ppo_epochs": "critic.ppo_epochs",
-    "algorithm.adv_estimator": "algorithm.adv_estimator",
-    "algorithm.gamma": "algorithm.gamma",
-    "algorithm.lam": "algorithm.lam",
-    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
-    "algorithm.use_kl_in_reward": "algorithm.use_kl_in_reward",
-    "algorithm.kl_penalty": "algorithm.kl_penalty",
-    "algorithm.kl_ctrl.type": "algorithm.kl_ctrl_type",
-    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
-    "algorithm.kl_ctrl.target_kl": "algorithm.target_kl",
-    "algorithm.kl_ctrl.horizon": "algorithm.horizon",
-    "data.train_batch_size": "task.train_batch_size",
-    "data.max_prompt_length": "task.max_prompt_length",
-    "data.max_response_length": "rollout.max_new_tokens",
-    "data.train_files": "task.train_files",
-    "data.val_files": "task.val_files",
-    "data.shuffle": "task.shuffle",
-    "custom_reward_function.path": "reward.custom_path",
-    "custom_reward_function.name": "reward.custom_name",
-    "trainer.total_epochs": "trainer.total_epochs",
-    "trainer.total_training_steps": "trainer.total_steps",
-    "trainer.test_freq": "trainer.test_freq",
-    "trainer.save_freq": "trainer.save_freq",
-    "trainer.project_name": "trainer.project_name",
-    "trainer.experiment_name": "trainer.experiment_name",
-    "trainer.default_local_dir": "trainer.output_dir",
-    "trainer.logger": "trainer.logger",
-    "trainer.n_gpus_per_node": "learner.world_size",
-}
-
-# Keys that existed under another name: using the old one fails with where it went.
-RENAMED_KEYS: dict[str, str] = {
-    "rollout.response_length": "rollout.max_new_tokens",
-    "buffer.staleness": "buffer.max_staleness",
-    "trainer.staleness": "buffer.max_staleness",
-    "weight_bus.bucket_size_mb": "weight_bus.bucket_mb",
-}
-
-
-def translate_overrides(overrides: list[str]) -> list[str]:
-    """Map verl-style dotted keys to ours; renamed keys fail with a migration message.
-
-    Also accepts ``trainer.mode=X`` as the ``mode=X`` preset group selection.
-    """
-    out: list[str] = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, value = item.split("=", 1)
-        prefix = ""
-        while key and key[0] in "+~":
-            prefix, key = prefix + key[0], key[1:]
-        if key in RENAMED_KEYS:
-            raise ConfigError(f"config key {key!r} was renamed to {RENAMED_KEYS[key]!r}")
-        if key == "trainer.mode":
-            if value not in MODES:
-                raise ConfigError(f"trainer.mode={value!r}: must be one of {MODES}")
-            key = "mode"
-        key = VERL_ALIASES.get(key, key)
-        if key == "trainer.logger" and value.startswith("[") and "'" in value:
-            value = value.replace("'", "")
-        out.append(f"{prefix}{key}={value}")
-    return out
 
 
 def _fail(key: str, value: Any, why: str) -> None:
@@ -490,12 +408,15 @@ def validate(cfg: Config) -> Config:
     ):
         _fail("actor.policy_loss", cfg.actor.policy_loss,
               "already weights by proximal/behaviour: unset actor.tis_cap and actor.icepop_*")
-    if cfg.trainer.mode == "fully_async" and cfg.buffer.max_staleness < 1:
-        _fail("buffer.max_staleness", cfg.buffer.max_staleness,
-              "must be >= 1 with trainer.mode='fully_async' (0 is trainer.mode=sync)")
-    if cfg.weight_bus.backend == "colocated" and cfg.runtime.placement != "colocated":
+    _check_mode(cfg)
+    if cfg.weight_bus.backend == "colocated":
+        # ColocatedPublisher hands weights to an engine in the learner's own process; the
+        # runtime places learner ranks and engines in separate Ray actors, so only the
+        # collective bus reaches them until the hybrid worker exists.
         _fail("weight_bus.backend", cfg.weight_bus.backend,
-              "needs runtime.placement='colocated' (learner and engine share a device)")
+              "is not supported by streamrl train yet (learner ranks and engines are separate "
+              "Ray actors): use weight_bus.backend=collective, with runtime.placement=colocated "
+              "to share devices")
     if cfg.reward.name == "custom" and not cfg.reward.custom_path:
         _fail("reward.custom_path", cfg.reward.custom_path, "is required with reward.name=custom")
     if cfg.task.source == "parquet" and not cfg.task.train_files:
@@ -503,6 +424,48 @@ def validate(cfg: Config) -> Config:
     if cfg.trainer.resume not in ("disable", "auto") and not Path(cfg.trainer.resume).exists():
         _fail("trainer.resume", cfg.trainer.resume, "is neither disable, auto nor a checkpoint dir")
     return cfg
+
+
+def _check_mode(cfg: Config) -> None:
+    """Reject every setting the mode would contradict, or that could never make progress."""
+    mode = cfg.trainer.mode
+    preset = MODE_PRESETS[mode]
+    eta = cfg.buffer.max_staleness
+    if preset.max_staleness is None:
+        if eta < 1:
+            _fail("buffer.max_staleness", eta,
+                  f"must be >= 1 with trainer.mode={mode!r} (0 is trainer.mode=sync)")
+    elif eta != preset.max_staleness:
+        _fail("buffer.max_staleness", eta,
+              f"contradicts trainer.mode={mode!r}, whose staleness bound is "
+              f"{preset.max_staleness}: drop the override, or use trainer.mode=fully_async")
+    policy = cfg.weight_bus.update_policy
+    if policy not in preset.update_policies:
+        _fail("weight_bus.update_policy", policy,
+              f"contradicts trainer.mode={mode!r}, which allows only "
+              f"{' | '.join(preset.update_policies)}: drop the override, or use "
+              "trainer.mode=fully_async")
+    if cfg.weight_bus.sync_every > eta + 1:
+        _fail("weight_bus.sync_every", cfg.weight_bus.sync_every,
+              f"must be <= buffer.max_staleness + 1 = {eta + 1} with trainer.mode={mode!r}: "
+              f"replicas would sample with weights up to {cfg.weight_bus.sync_every - 1} "
+              f"versions old, past the staleness bound {eta}, so no group could ever be taken")
+
+
+def with_mode(cfg: Config, mode: str, max_staleness: int | None = None) -> Config:
+    """``cfg`` switched to ``mode`` with the values MODE_PRESETS fixes (the Python twin of
+    ``trainer.mode=X``); ``max_staleness`` picks eta where the mode leaves it open."""
+    if mode not in MODE_PRESETS:
+        raise ConfigError(f"trainer.mode={mode!r}: must be one of {MODES}")
+    preset = MODE_PRESETS[mode]
+    eta = preset.max_staleness
+    if eta is None:
+        eta = FULLY_ASYNC_DEFAULT_STALENESS if max_staleness is None else max_staleness
+    elif max_staleness not in (None, eta):
+        raise ConfigError(f"buffer.max_staleness={max_staleness!r}: contradicts "
+                          f"trainer.mode={mode!r}, whose staleness bound is {eta}")
+    return replace(cfg, **{"trainer.mode": mode, "buffer.max_staleness": eta,
+                           "weight_bus.update_policy": preset.update_policies[0]})
 
 
 def register_configs() -> None:
@@ -568,7 +531,8 @@ def load_config(overrides: list[str] | None = None, config_dir: Path = CONFIG_DI
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         try:
-            composed = compose(config_name="config", overrides=translate_overrides(overrides or []))
+            composed = compose(config_name="config",
+                               overrides=translate_overrides(overrides or [], MODES))
         except ConfigError:
             raise
         except Exception as exc:

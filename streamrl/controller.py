@@ -1,10 +1,10 @@
 """The single controller: one training loop for sync, one_step_off and fully_async.
 
-The modes differ only by presets (DESIGN.md §1): the staleness bound eta the buffer admits
-(0, 1, buffer.max_staleness) and the update policy replicas apply when new weights land
-(drain, drain, weight_bus.update_policy). Everything heavy runs behind the runtime's small
-handles (``streamrl.runtime``): ``buffer`` (ReplayBuffer), ``learner`` (FSDP2 ranks),
-``weight_bus`` (publish to the rollout fleet) and ``fleet`` (continuously running replicas).
+The modes differ only by presets (``config.MODE_PRESETS``): the staleness bound eta the buffer
+admits and the update policy replicas apply when new weights land; this loop never asks which
+mode it runs. Everything heavy runs behind the runtime's small handles (``streamrl.runtime``):
+``buffer`` (ReplayBuffer), ``learner`` (FSDP2 ranks), ``weight_bus`` (publish to the rollout
+fleet) and ``fleet`` (continuously running replicas).
 Dependencies point down: controller -> runtime -> (buffer, learner, weight_bus, rollout_fleet).
 """
 
@@ -113,6 +113,7 @@ class Controller:
                 result.checkpoint = ckpt or result.checkpoint
                 metrics.update({f"buffer/{k}": float(v) for k, v in
                                 dataclasses.asdict(rt.buffer.stats()).items()})
+                metrics.update(rt.fleet.metrics())
                 logger.log(metrics, step=version)
                 result.history.append({"step": version, **metrics})
                 result.steps = version

@@ -5,22 +5,64 @@ generated text (digits always stay single tokens, which the toy tasks rely on), 
 ``PreTrainedTokenizerFast`` with eos/pad and a chat template, builds a randomly initialised
 ``Qwen2ForCausalLM`` and saves both with ``save_pretrained``. The result loads offline in
 transformers and in vLLM. Also exposed as ``streamrl data tiny-model --out DIR``.
+
+Also the one Group/Trajectory factory that tests and benchmarks share: ``make_trajectory``,
+``make_group`` (chosen versions) and ``random_groups`` (ragged random tokens).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import uuid
 from pathlib import Path
+from typing import Any
+
+from streamrl.types import OBSERVATION_VERSION, Group, Trajectory
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
+# Qwen-style: plain messages render as before; ``tools=`` adds a system block listing their
+# schemas, assistant ``tool_calls`` render as <tool_call> blocks, consecutive ``tool`` messages
+# as one user turn of <tool_response> blocks, and assistant history drops its <think> block (as
+# Qwen3 does: what re-rendering agent loops get wrong, and streamrl's never re-renders).
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nCall a function with <tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% set content = message['content'] or '' %}"
+    "{% if '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "{{ '<|im_start|>assistant\n' + content }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{ (fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson) }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -97,6 +139,8 @@ def build_tiny_model(
     spec = {
         "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
         "intermediate_size": intermediate_size, "vocab_size": vocab_size, "seed": seed,
+        # A cached model rebuilds when the chat template changes (same seed: same weights).
+        "chat_template": hashlib.sha1(CHAT_TEMPLATE.encode()).hexdigest()[:12],
     }
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
@@ -124,16 +168,55 @@ def build_tiny_model(
     return out
 
 
-def default_tiny_model_dir() -> Path:
-    """Where ``model.path=tiny`` builds its model (overridable with STREAMRL_TINY_MODEL)."""
-    env = os.environ.get("STREAMRL_TINY_MODEL")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "streamrl" / "tiny"
+def make_trajectory(uid: str = "t0", group_id: str = "g0", n: int = 3, **fields: Any
+                    ) -> Trajectory:
+    """A valid trajectory of ``n`` policy tokens stamped version 4; ``fields`` override any."""
+    values: dict[str, Any] = {
+        "prompt_ids": [5, 6], "response_ids": list(range(10, 10 + n)), "loss_mask": [1] * n,
+        "logprobs": [-0.5] * n, "versions": [4] * n,
+    }
+    values.update(fields)
+    return Trajectory(uid=uid, group_id=group_id, **values)
 
 
-def resolve_model_path(path: str) -> str:
-    """``tiny`` means the offline tiny model (built on first use); anything else is as given."""
-    if path == "tiny":
-        return str(build_tiny_model(default_tiny_model_dir()))
-    return path
+def make_group(
+    versions: list[int] | int, group_id: str | None = None, n: int = 2, obs_tokens: int = 1,
+    *, prompt_len: int = 3,
+) -> Group:
+    """A group of ``n`` trajectories whose policy tokens carry ``versions``, followed by
+    ``obs_tokens`` observation tokens; trajectory i has reward i."""
+    versions = [versions] if isinstance(versions, int) else list(versions)
+    gid = group_id or uuid.uuid4().hex
+    stamps = versions + [OBSERVATION_VERSION] * obs_tokens
+    return Group(group_id=gid, trajectories=[
+        make_trajectory(
+            f"{gid}-{i}", gid, len(stamps), prompt_ids=list(range(1, 1 + prompt_len)),
+            loss_mask=[1] * len(versions) + [0] * obs_tokens, versions=stamps, reward=float(i),
+        )
+        for i in range(n)
+    ])
+
+
+def random_groups(
+    num_groups: int, n: int, *, seed: int = 0, vocab: int = 300, observation: bool = True
+) -> list[Group]:
+    """Random groups with ragged prompt/response lengths and a few interior observation tokens."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        gid = f"g{seed}-{g}"
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 10))]
+        trajs = []
+        for i in range(n):
+            r = rng.randint(2, 14)
+            mask = [1] * r
+            if observation and r > 6 and i % 2:
+                mask[2:4] = [0, 0]  # an interior tool observation
+            trajs.append(make_trajectory(
+                f"{gid}-{i}", gid, r, prompt_ids=prompt,
+                response_ids=[rng.randrange(3, vocab) for _ in range(r)], loss_mask=mask,
+                logprobs=[-rng.uniform(4.0, 7.0) if m else 0.0 for m in mask],
+                versions=[0 if m else OBSERVATION_VERSION for m in mask], reward=rng.random(),
+            ))
+        groups.append(Group(group_id=gid, trajectories=trajs))
+    return groups

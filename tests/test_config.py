@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from streamrl.config import (
-    VERL_ALIASES,
+    CONFIG_DIR,
+    FULLY_ASYNC_DEFAULT_STALENESS,
+    MODE_PRESETS,
+    MODES,
     Config,
     ConfigError,
     load_config,
     replace,
-    translate_overrides,
     validate,
+    with_mode,
 )
+from streamrl.config_compat import VERL_ALIASES, translate_overrides
 
 
 def test_defaults_compose_and_validate() -> None:
@@ -22,20 +29,72 @@ def test_defaults_compose_and_validate() -> None:
     assert cfg.rollout.backend == "vllm"
     assert cfg.buffer.backend == "memory"
     assert cfg.task.source == "toy"
-    assert cfg.max_staleness == cfg.buffer.max_staleness == 1
-    assert cfg.update_policy == "pause"
+    assert cfg.buffer.max_staleness == 1
+    assert cfg.weight_bus.update_policy == "pause"
     assert cfg.trainer.output_dir == "outputs/toy-grpo"  # interpolation resolved
 
 
 @pytest.mark.parametrize(("mode", "eta", "policy"), [
-    ("sync", 0, "drain"), ("one_step_off", 1, "drain"), ("fully_async", 3, "abort"),
+    ("sync", 0, "drain"), ("one_step_off", 1, "drain"), ("fully_async", 1, "pause"),
 ])
 def test_mode_presets(mode: str, eta: int, policy: str) -> None:
-    cfg = load_config([f"trainer.mode={mode}", "buffer.max_staleness=3",
-                       "weight_bus.update_policy=abort"])
+    cfg = load_config([f"trainer.mode={mode}"])
     assert cfg.trainer.mode == mode
-    assert cfg.max_staleness == eta
-    assert cfg.update_policy == policy
+    assert cfg.buffer.max_staleness == eta
+    assert cfg.weight_bus.update_policy == policy
+    assert with_mode(load_config(), mode) == cfg
+
+
+def test_fully_async_takes_its_bound_and_policy_from_the_user() -> None:
+    cfg = load_config(["trainer.mode=fully_async", "buffer.max_staleness=3",
+                       "weight_bus.update_policy=abort", "weight_bus.sync_every=4"])
+    assert (cfg.buffer.max_staleness, cfg.weight_bus.update_policy) == (3, "abort")
+    assert with_mode(Config(), "fully_async", 3).buffer.max_staleness == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_yaml_shows_the_preset(mode: str) -> None:
+    shown = yaml.safe_load(Path(CONFIG_DIR, "mode", f"{mode}.yaml").read_text())
+    preset = MODE_PRESETS[mode]
+    assert shown["trainer"] == {"mode": mode}
+    default_eta = FULLY_ASYNC_DEFAULT_STALENESS if preset.max_staleness is None else \
+        preset.max_staleness
+    assert shown["buffer"] == {"max_staleness": default_eta}
+    assert shown["weight_bus"] == {"update_policy": preset.update_policies[0]}
+
+
+@pytest.mark.parametrize(("overrides", "keys"), [
+    (["trainer.mode=sync", "weight_bus.sync_every=2"],
+     ("weight_bus.sync_every=2", "buffer.max_staleness")),
+    (["trainer.mode=one_step_off", "weight_bus.sync_every=3"],
+     ("weight_bus.sync_every=3", "buffer.max_staleness")),
+    (["trainer.mode=fully_async", "buffer.max_staleness=2", "weight_bus.sync_every=4"],
+     ("weight_bus.sync_every=4", "buffer.max_staleness")),
+    (["trainer.mode=sync", "buffer.max_staleness=2"],
+     ("buffer.max_staleness=2", "trainer.mode='sync'")),
+    (["trainer.mode=one_step_off", "buffer.max_staleness=0"],
+     ("buffer.max_staleness=0", "trainer.mode='one_step_off'")),
+    (["trainer.mode=sync", "weight_bus.update_policy=pause"],
+     ("weight_bus.update_policy='pause'", "trainer.mode='sync'")),
+    (["trainer.mode=one_step_off", "weight_bus.update_policy=abort"],
+     ("weight_bus.update_policy='abort'", "trainer.mode='one_step_off'")),
+    (["trainer.mode=fully_async", "buffer.max_staleness=0"],
+     ("buffer.max_staleness=0", "trainer.mode='fully_async'")),
+])
+def test_contradicting_the_mode_names_both_keys(overrides: list[str], keys: tuple[str, ...]
+                                                ) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    for key in keys:
+        assert key in str(err.value)
+
+
+def test_cli_rejects_sync_with_sparse_weight_sync(capsys: pytest.CaptureFixture[str]) -> None:
+    from streamrl.cli import main
+
+    assert main(["config", "trainer.mode=sync", "weight_bus.sync_every=2"]) != 0
+    err = capsys.readouterr().err
+    assert "weight_bus.sync_every=2" in err and "trainer.mode='sync'" in err
 
 
 def test_group_selection_and_verl_aliases() -> None:
@@ -76,7 +135,7 @@ def test_gae_turns_on_critic() -> None:
 
 def test_renamed_key_fails_with_migration_message() -> None:
     with pytest.raises(ConfigError, match=r"buffer.staleness.*renamed to 'buffer.max_staleness'"):
-        translate_overrides(["buffer.staleness=2"])
+        translate_overrides(["buffer.staleness=2"], MODES)
 
 
 def test_unknown_key_names_the_key() -> None:
@@ -108,7 +167,8 @@ def test_bad_mode_names_value() -> None:
     ({"actor.clip_ratio_c": 1.0}, r"actor.clip_ratio_c=1.0"),
     ({"actor.icepop_low": 0.5}, r"actor.icepop_low=0.5: set both"),
     ({"buffer.max_staleness": 0}, r"buffer.max_staleness=0: must be >= 1 with trainer.mode"),
-    ({"weight_bus.backend": "colocated"}, r"weight_bus.backend='colocated': needs runtime"),
+    ({"weight_bus.backend": "colocated"},
+     r"weight_bus.backend='colocated': is not supported by streamrl train yet"),
     ({"reward.name": "custom"}, r"reward.custom_path=None: is required"),
     ({"task.max_prompt_length": 600}, r"rollout.max_model_len=512"),
     ({"actor.ppo_max_token_len": 10}, r"actor.ppo_max_token_len=10"),

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from streamrl.testing import make_trajectory as traj
 from streamrl.types import (
     OBSERVATION_VERSION,
     BucketSpec,
@@ -21,15 +22,6 @@ from streamrl.types import (
     decode,
     encode,
 )
-
-
-def traj(uid: str = "t0", group_id: str = "g0", n: int = 3, **kw: Any) -> Trajectory:
-    fields: dict[str, Any] = {
-        "prompt_ids": [5, 6], "response_ids": list(range(10, 10 + n)), "loss_mask": [1] * n,
-        "logprobs": [-0.5] * n, "versions": [4] * n,
-    }
-    fields.update(kw)
-    return Trajectory(uid=uid, group_id=group_id, **fields)
 
 
 def multi_turn(uid: str = "mt", group_id: str = "g0") -> Trajectory:

@@ -1,7 +1,8 @@
 """streamrl.buffer: the staleness-bounded replay buffer (DESIGN.md §2, §7).
 
 ``base`` holds the protocol and the bound (``Admission``); ``memory`` and ``redis`` are the two
-backends; ``make_buffer`` picks one from ``buffer.backend``. The Redis backend (and the redis
+backends; ``make_buffer(cfg)`` builds this process's buffer from ``buffer.backend``; ``remote``
+shares a memory buffer across processes (a Ray actor). The Redis backend (and the redis
 client) is imported only when chosen.
 """
 
@@ -13,27 +14,22 @@ from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
 from streamrl.buffer.memory import MemoryBuffer
 
 if TYPE_CHECKING:
-    from streamrl.config import BufferConfig, Config
+    from streamrl.config import Config
 
 __all__ = ["Admission", "BufferStats", "MemoryBuffer", "ReplayBuffer", "make_buffer"]
 
 BACKENDS = ("memory", "redis")
 
 
-def make_buffer(
-    cfg: Config | BufferConfig, groups_per_step: int, max_staleness: int
-) -> ReplayBuffer:
-    """The buffer ``cfg.buffer.backend`` names, bounded by B=groups_per_step, eta=max_staleness.
-
-    ``max_staleness`` is passed explicitly because the mode decides it (``Config.max_staleness``:
-    sync 0, one_step_off 1, fully_async ``buffer.max_staleness``).
-    """
-    buffer_cfg = getattr(cfg, "buffer", cfg)
-    backend = buffer_cfg.backend
+def make_buffer(cfg: Config) -> ReplayBuffer:
+    """This process's buffer of the backend ``buffer.backend`` names, bounded by
+    B=``task.train_batch_size`` and eta=``buffer.max_staleness`` (fixed by the mode)."""
+    backend = cfg.buffer.backend
+    groups_per_step, max_staleness = cfg.task.train_batch_size, cfg.buffer.max_staleness
     if backend == "memory":
         return MemoryBuffer(groups_per_step, max_staleness)
     if backend == "redis":
         from streamrl.buffer.redis import RedisBuffer
 
-        return RedisBuffer(buffer_cfg.redis_url, buffer_cfg.run, groups_per_step, max_staleness)
+        return RedisBuffer(cfg.buffer.redis_url, cfg.buffer.run, groups_per_step, max_staleness)
     raise ValueError(f"buffer.backend={backend!r}: expected one of {', '.join(BACKENDS)}")

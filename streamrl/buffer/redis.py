@@ -1,8 +1,8 @@
 """Redis replay buffer (``buffer.backend=redis``): shared by processes and machines, inspectable.
 
-Parts: the key layout (``RunKeys``), the Lua scripts that keep every counter atomic with the
-data it describes, ``RedisBuffer`` (the ``ReplayBuffer`` backend) and ``print_stats`` (behind
-``streamrl buffer stats``).
+Parts: the key layout (``RunKeys``), ``RedisBuffer`` (the ``ReplayBuffer`` backend) and
+``print_stats`` (behind ``streamrl buffer stats``). The Lua scripts that keep every counter
+atomic with the data it describes live in ``redis_scripts`` (this module registers them).
 
 Keys of run ``<run>``::
 
@@ -46,6 +46,7 @@ from typing import Any
 
 import redis
 
+import streamrl.buffer.redis_scripts as lua
 from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
 from streamrl.types import DecodeError, Group, decode, encode
 
@@ -71,175 +72,6 @@ class RunKeys:
             raise ValueError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
         p = f"streamrl:{run}:"
         return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken")
-
-
-# --- Lua: every counter moves in the same atomic step as the data it counts ------------------
-_TOUCH = """
-local function touch(h)
-  local t = redis.call('TIME')
-  redis.call('HSET', h, 'last_update_ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
-end
-local function num(h, f) return tonumber(redis.call('HGET', h, f) or '0') end
-local function set_queued(h, q) redis.call('HSET', h, 'queued', redis.call('SCARD', q)) end
-"""
-
-_INIT = _TOUCH + """
-local h = KEYS[1]
-for _, f in ipairs({'learner_version', 'produced', 'consumed', 'queued', 'started', 'in_flight',
-                    'dropped', 'malformed', 'staleness_sum', 'staleness_count',
-                    'staleness_max', 'staleness_mean'}) do
-  redis.call('HSETNX', h, f, 0)
-end
-redis.call('HSETNX', h, 'groups_per_step', ARGV[1])
-redis.call('HSETNX', h, 'max_staleness', ARGV[2])
-if redis.call('HEXISTS', h, 'last_update_ts') == 0 then touch(h) end
-return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
-"""
-
-# The bound, checked and claimed in one step against the learner version read in the same step.
-_ADMIT = _TOUCH + """
-local h = KEYS[1]
-local v, b, eta = num(h, 'learner_version'), num(h, 'groups_per_step'), num(h, 'max_staleness')
-if num(h, 'started') < (v + eta + 1) * b then
-  redis.call('HINCRBY', h, 'started', 1)
-  redis.call('HINCRBY', h, 'in_flight', 1)
-  touch(h)
-  return 1
-end
-return 0
-"""
-
-_CANCEL = _TOUCH + """
-local h = KEYS[1]
-if num(h, 'in_flight') <= 0 then
-  return redis.error_reply('cancel_admission: no admitted group is in flight')
-end
-redis.call('HINCRBY', h, 'in_flight', -1)
-redis.call('HINCRBY', h, 'started', -1)
-touch(h)
-return 1
-"""
-
-# KEYS: stats ids groups queued; ARGV: group_id min_version data
-_PUT = _TOUCH + """
-local h = KEYS[1]
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-local id = redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[1], 'min_version', ARGV[2],
-                      'data', ARGV[3])
-redis.call('SADD', KEYS[4], id)
-if num(h, 'in_flight') > 0 then
-  redis.call('HINCRBY', h, 'in_flight', -1)
-else  -- put without admission: it still holds a slot, so started = consumed+queued+in_flight
-  redis.call('HINCRBY', h, 'started', 1)
-end
-redis.call('HINCRBY', h, 'produced', 1)
-set_queued(h, KEYS[4])
-touch(h)
-return 1
-"""
-
-# KEYS: stats; ARGV: version strict
-_SET_VERSION = _TOUCH + """
-local h = KEYS[1]
-local cur, v = num(h, 'learner_version'), tonumber(ARGV[1])
-if v < cur then
-  if ARGV[2] == '1' then
-    return redis.error_reply('set_version: learner_version=' .. v .. ' < current ' .. cur ..
-                             ' (resuming a checkpoint: use rebase; a new run: use another'
-                             .. ' buffer.run, or purge this one)')
-  end
-  return cur
-end
-redis.call('HSET', h, 'learner_version', v)
-touch(h)
-return v
-"""
-
-# KEYS: stats queued taken; ARGV: version, then (entry id, staleness) pairs
-_CONSUME = _TOUCH + """
-local h = KEYS[1]
-if tonumber(ARGV[1]) > num(h, 'learner_version') then
-  redis.call('HSET', h, 'learner_version', ARGV[1])
-end
-local n, ssum, smax = 0, 0, num(h, 'staleness_max')
-for i = 2, #ARGV, 2 do
-  -- Counted once per entry, even when a crash makes it delivered twice.
-  if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
-    if redis.call('SREM', KEYS[2], ARGV[i]) == 0 then
-      redis.call('HINCRBY', h, 'started', 1)  -- an entry that bypassed put
-      redis.call('HINCRBY', h, 'produced', 1)
-    end
-    local s = tonumber(ARGV[i + 1])
-    n = n + 1
-    ssum = ssum + s
-    if s > smax then smax = s end
-  end
-end
-if n > 0 then
-  redis.call('HINCRBY', h, 'consumed', n)
-  local cnt = redis.call('HINCRBY', h, 'staleness_count', n)
-  local sum = redis.call('HINCRBY', h, 'staleness_sum', ssum)
-  redis.call('HSET', h, 'staleness_max', smax, 'staleness_mean', string.format('%.4f', sum / cnt))
-end
-set_queued(h, KEYS[2])
-touch(h)
-return n
-"""
-
-# KEYS: stats queued taken groups dead; ARGV: entry_id kind reason consumer_group
-_DISCARD = _TOUCH + """
-local h, id, kind = KEYS[1], ARGV[1], ARGV[2]
-redis.call('XACK', KEYS[4], ARGV[4], id)
-local was_queued = redis.call('SREM', KEYS[2], id)
-local was_taken = redis.call('SREM', KEYS[3], id)
-if kind == 'dropped' then
-  redis.call('HINCRBY', h, 'dropped', 1)
-  -- give the admission slot back, so a replica can start a replacement (no deadlock)
-  if was_queued == 1 or was_taken == 1 then redis.call('HINCRBY', h, 'started', -1) end
-  if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
-elseif kind == 'malformed' then
-  redis.call('HINCRBY', h, 'malformed', 1)
-  if was_queued == 1 then redis.call('HINCRBY', h, 'started', -1) end
-  local fields = {'source_id', id, 'reason', ARGV[3]}
-  local entry = redis.call('XRANGE', KEYS[4], id, id)[1]
-  if entry then
-    for i = 1, #entry[2], 2 do
-      fields[#fields + 1] = 'field:' .. entry[2][i]
-      fields[#fields + 1] = entry[2][i + 1]
-    end
-  end
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', 10000, '*', unpack(fields))
-elseif kind == 'skipped' then  -- trained before a restart (recorded in the checkpoint)
-  if was_queued == 1 then redis.call('HINCRBY', h, 'consumed', 1) end
-end
-set_queued(h, KEYS[2])
-touch(h)
-return 1
-"""
-
-# KEYS: stats taken groups; ARGV: consumer_group, entry ids...
-_ACK = _TOUCH + """
-local n = 0
-for i = 2, #ARGV do
-  n = n + redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
-  redis.call('SREM', KEYS[2], ARGV[i])
-end
-touch(KEYS[1])
-return n
-"""
-
-# KEYS: stats queued taken; ARGV: version consumed in_flight groups_per_step max_staleness
-_REBASE = _TOUCH + """
-local h = KEYS[1]
-redis.call('SUNIONSTORE', KEYS[2], KEYS[2], KEYS[3])  -- taken, not trained: deliver again
-redis.call('DEL', KEYS[3])
-local q = redis.call('SCARD', KEYS[2])
-redis.call('HSET', h, 'learner_version', ARGV[1], 'consumed', ARGV[2], 'in_flight', ARGV[3],
-           'queued', q, 'started', tonumber(ARGV[2]) + q + tonumber(ARGV[3]),
-           'groups_per_step', ARGV[4], 'max_staleness', ARGV[5])
-touch(h)
-return q
-"""
 
 
 def _s(value: Any) -> str:
@@ -277,9 +109,9 @@ class RedisBuffer(ReplayBuffer):
         self._r = client if client is not None else redis.Redis.from_url(redis_url)
         self._url = redis_url
         s = self._r.register_script
-        self._admit, self._cancel, self._put = s(_ADMIT), s(_CANCEL), s(_PUT)
-        self._set_version, self._consume = s(_SET_VERSION), s(_CONSUME)
-        self._discard, self._ack, self._rebase = s(_DISCARD), s(_ACK), s(_REBASE)
+        self._admit, self._cancel, self._put = s(lua.ADMIT), s(lua.CANCEL), s(lua.PUT)
+        self._set_version, self._consume = s(lua.SET_VERSION), s(lua.CONSUME)
+        self._discard, self._ack, self._rebase = s(lua.DISCARD), s(lua.ACK), s(lua.REBASE)
         self._lock = threading.Lock()  # learner-side state below
         self._skip: set[str] = set(skip_ids)
         self._held: list[tuple[bytes, Group]] = []  # read, fresh, not yet returned
@@ -289,6 +121,13 @@ class RedisBuffer(ReplayBuffer):
         self._next_claim = 0.0
         self._init_keys()
 
+    def __reduce__(self) -> tuple[type[RedisBuffer], tuple[Any, ...]]:
+        """Sent to another process (a replica), the buffer reconnects to the same run; its
+        learner-side state (held and outstanding entries) stays with the sender."""
+        b, eta = self.admission.groups_per_step, self.admission.max_staleness
+        return (RedisBuffer, (self._url, self.run, b, eta, self.consumer, (),
+                              self.claim_idle_ms / 1000, self.trim_acked))
+
     def _init_keys(self) -> None:
         b, eta = self.admission.groups_per_step, self.admission.max_staleness
         try:
@@ -296,7 +135,7 @@ class RedisBuffer(ReplayBuffer):
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        stored = self._r.eval(_INIT, 1, self.keys.stats, b, eta)
+        stored = self._r.eval(lua.INIT, 1, self.keys.stats, b, eta)
         have_b, have_eta = int(stored[0]), int(stored[1])
         if (have_b, have_eta) != (b, eta):
             raise ValueError(

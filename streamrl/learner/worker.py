@@ -41,7 +41,7 @@ from streamrl.learner.fsdp import (
     resolve_device,
 )
 from streamrl.learner.update_loop import sync_max
-from streamrl.testing import resolve_model_path
+from streamrl.models import resolve_model_path
 
 REQUIRED_TENSORS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask",
                     "rollout_log_probs")

@@ -7,10 +7,10 @@ cheap (it is also imported inside vLLM's worker process for the worker extension
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from streamrl.config import RolloutConfig
+from streamrl.net import free_port
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "RolloutEngine", "SamplingParams", "make_engine"]
@@ -54,11 +54,5 @@ def make_engine(
             args += ["--tokenizer-path", tokenizer_path]
         if rollout.enforce_eager:
             args.append("--disable-cuda-graph")
-        return SGLangEngine.launch(model_path, port=_free_port(), extra_args=args)
+        return SGLangEngine.launch(model_path, port=free_port(), extra_args=args)
     raise ValueError(f"rollout.backend={rollout.backend!r}: must be one of vllm, hf, sglang")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

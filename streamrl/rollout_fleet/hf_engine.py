@@ -69,7 +69,7 @@ class HFEngine(RolloutEngine):
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from streamrl.testing import resolve_model_path
+        from streamrl.models import resolve_model_path
 
         path = resolve_model_path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)

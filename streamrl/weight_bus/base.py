@@ -1,4 +1,4 @@
-"""The two sides of the weight bus, and the factories that pick a backend.
+"""The two sides of the weight bus: the protocol every backend implements.
 
 Parts:
 - ``WeightPublisher`` (learner rank 0): ``publish(version, named_tensors) -> PublishStats``,
@@ -10,12 +10,11 @@ Parts:
   ``RolloutEngine.load_weights``, so an engine is a sink and a replica adapts its
   ``update_weights(weights, version, policy)`` with a lambda.
 - Errors: ``WeightBusError`` > ``WeightBusTimeout``, ``GroupAborted``, ``ReceiverDied``.
-- ``make_publisher`` / ``make_receiver``: choose the backend by ``weight_bus.backend``.
+- ``PublishStats``; ``check_version`` (versions strictly increase from 0).
 
-Backends: ``collective.py`` (bucketed broadcast on a dedicated gloo/NCCL group, ZMQ control),
-``colocated.py`` (in-place swap in the learner's process), receivers ``vllm_receiver.py``
-(inside the vLLM worker) and ``sglang_receiver.py`` (SGLang's HTTP update API).
-Dependencies point inward: backends import this module, never the reverse (factories import lazily).
+Backends (``collective/``, ``colocated.py``, ``vllm_receiver.py``, ``sglang_receiver.py``) import
+this module; it imports none of them. The factories that choose one live in the package's
+``__init__``.
 """
 
 from __future__ import annotations
@@ -23,12 +22,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
-
-if TYPE_CHECKING:
-    from streamrl.config import WeightBusConfig
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 WeightSink = Callable[[NamedTensors, int], Awaitable[None]]
@@ -125,54 +120,3 @@ def check_version(version: object, last: int) -> int:
         raise ValueError(f"version={version}: must be greater than the last published {last}")
     return version
 
-
-def make_publisher(cfg: WeightBusConfig, *, engine: Any = None, **kwargs: Any) -> WeightPublisher:
-    """The learner-side bus ``weight_bus.backend`` names.
-
-    ``collective``: binds the control endpoint on ``cfg.master_addr:cfg.master_port`` (receivers
-    connect to ``publisher.endpoint``); NCCL when CUDA is available, else gloo; ``kwargs`` go to
-    ``CollectivePublisher``.
-    ``colocated``: needs ``engine`` (the engine living in this process).
-    """
-    if cfg.backend == "collective":
-        from streamrl.weight_bus.collective import CollectivePublisher
-
-        kwargs.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
-        return CollectivePublisher(
-            host=cfg.master_addr, port=cfg.master_port, bucket_mb=cfg.bucket_mb,
-            timeout_s=cfg.timeout_s, **kwargs,
-        )
-    if cfg.backend == "colocated":
-        from streamrl.weight_bus.colocated import ColocatedPublisher
-
-        if engine is None:
-            raise ValueError("weight_bus.backend='colocated' needs the in-process engine")
-        return ColocatedPublisher(engine, **kwargs)
-    raise ValueError(f"weight_bus.backend={cfg.backend!r}: must be 'collective' or 'colocated'")
-
-
-def make_receiver(
-    cfg: WeightBusConfig, *, endpoint: str, sink: WeightSink, engine: Any = None,
-    receiver_id: str | None = None, **kwargs: Any,
-) -> WeightReceiver:
-    """The replica-side bus for ``weight_bus.backend=collective``.
-
-    With a vLLM ``engine`` (anything with ``collective_rpc``) buckets land directly inside the
-    vLLM worker (``VLLMReceiver``); otherwise in this process (``CollectiveReceiver``). Either way
-    each version goes to ``sink`` whole.
-    """
-    if cfg.backend == "colocated":
-        raise ValueError("weight_bus.backend='colocated' has no receiver: the learner hands "
-                         "weights to the engine in its own process (ColocatedPublisher)")
-    if cfg.backend != "collective":
-        raise ValueError(f"weight_bus.backend={cfg.backend!r}: must be 'collective' or "
-                         "'colocated'")
-    if engine is not None and hasattr(engine, "collective_rpc"):
-        from streamrl.weight_bus.vllm_receiver import VLLMReceiver
-
-        return VLLMReceiver(endpoint, engine, sink=sink, receiver_id=receiver_id,
-                            timeout_s=cfg.timeout_s, **kwargs)
-    from streamrl.weight_bus.collective import CollectiveReceiver
-
-    return CollectiveReceiver(endpoint, sink, receiver_id=receiver_id, timeout_s=cfg.timeout_s,
-                              **kwargs)

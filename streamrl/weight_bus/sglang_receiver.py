@@ -12,19 +12,20 @@ bucket layouts in-band, so this receiver is a relay in the replica process:
   follow), then for each version posts ``update_weights_from_distributed`` and broadcasts the
   tensors in the same order concurrently; SGLang swaps under its own lock and flushes its cache.
 
-The relay costs one extra device-to-device pass per version. Not runnable on CPU machines
-(SGLang needs CUDA); tests skip there and ``scripts/gpu_check.sh`` runs them on a GPU.
+``make_receiver`` picks it for an engine with that API (``SGLangEngine``). The relay costs one
+extra device-to-device pass per version. Not runnable on CPU machines (SGLang needs CUDA); tests
+skip there and ``scripts/gpu_check.sh`` runs them on a GPU.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from streamrl.net import free_port
 from streamrl.weight_bus.collective import CollectiveReceiver
 
 
@@ -44,9 +45,7 @@ class SGLangRelay:  # pragma: no cover - needs CUDA and sglang
 
         from sglang.srt.utils import init_custom_process_group
 
-        with socket.socket() as sock:
-            sock.bind((self.host, 0))
-            port = sock.getsockname()[1]
+        port = free_port(self.host)
         world_size = 1 + self.tp_size
         joined = self.engine.init_weights_update_group(self.host, port, 1, world_size,
                                                        self.group_name, "nccl")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from buffer_helpers import make_group
 
 from streamrl.buffer import MemoryBuffer, make_buffer
 from streamrl.buffer.base import Admission
-from streamrl.config import BufferConfig, Config
+from streamrl.config import Config, replace, with_mode
+from streamrl.testing import make_group
 
 
 def test_capacity_is_v_plus_eta_plus_one_steps() -> None:
@@ -40,17 +40,20 @@ def test_bad_arguments_name_the_field(b: int, eta: int, field: str) -> None:
         Admission(b, eta)
 
 
-def test_make_buffer_picks_the_backend(redis_url: str) -> None:
-    buf = make_buffer(Config(), groups_per_step=2, max_staleness=1)
-    assert isinstance(buf, MemoryBuffer) and buf.admission == Admission(2, 1)
+def test_make_buffer_picks_the_backend_with_the_mode_bound(redis_url: str) -> None:
+    cfg = with_mode(replace(Config(), **{"task.train_batch_size": 2}), "fully_async", 3)
+    buf = make_buffer(cfg)
+    assert isinstance(buf, MemoryBuffer) and buf.admission == Admission(2, 3)
     from streamrl.buffer.redis import RedisBuffer
 
-    cfg = BufferConfig(backend="redis", redis_url=redis_url, run="factory")
-    rbuf = make_buffer(cfg, groups_per_step=2, max_staleness=0)
+    cfg = with_mode(replace(cfg, **{"buffer.backend": "redis", "buffer.redis_url": redis_url,
+                                    "buffer.run": "factory"}), "sync")
+    rbuf = make_buffer(cfg)
     try:
         assert isinstance(rbuf, RedisBuffer) and rbuf.keys.groups == "streamrl:factory:groups"
+        assert rbuf.admission == Admission(2, 0)
     finally:
         rbuf.purge()
         rbuf.close()
     with pytest.raises(ValueError, match=r"buffer.backend='kafka'"):
-        make_buffer(BufferConfig(backend="kafka"), 2, 1)
+        make_buffer(replace(cfg, **{"buffer.backend": "kafka"}))

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Callable
 
 import pytest
-from buffer_helpers import make_group
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,6 +34,7 @@ from hypothesis.stateful import (
 
 from streamrl.buffer.base import Admission, ReplayBuffer
 from streamrl.buffer.memory import MemoryBuffer
+from streamrl.testing import make_group
 
 Factory = Callable[[int, int], ReplayBuffer]
 

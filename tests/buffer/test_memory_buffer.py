@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from buffer_helpers import make_group
 
 from streamrl.buffer.memory import MemoryBuffer
+from streamrl.testing import make_group
 
 
 def test_take_blocks_until_a_replica_thread_puts() -> None:

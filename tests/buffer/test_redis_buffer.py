@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +15,11 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
-from buffer_helpers import make_group
 
 from streamrl.buffer.redis import CONSUMER_GROUP, RedisBuffer
+from streamrl.testing import make_group
 from streamrl.types import Trajectory, encode
+from tests.support import free_port
 
 STREAMRL = Path(sys.executable).with_name("streamrl")
 
@@ -34,12 +34,6 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
     r = redis.Redis.from_url(redis_url)
     yield r
     r.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def new_buffer(redis_url: str, run: str, **kw) -> RedisBuffer:
@@ -229,3 +223,20 @@ def test_streamrl_buffer_stats_cli(redis_url: str, run: str) -> None:
                            "--run", run], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and f"cannot read {dead_url}" in down.stderr
     buf.purge()
+
+
+def test_pickled_buffer_reconnects_to_the_same_run(redis_url: str) -> None:
+    """The runtime hands the driver's buffer to every replica: a copy shares the run."""
+    import pickle
+
+    buf = new_buffer(redis_url, f"pickle-{uuid.uuid4().hex[:6]}")
+    try:
+        copy = pickle.loads(pickle.dumps(buf))
+        assert copy.try_admit()
+        copy.put(make_group(0, group_id="from-copy"))
+        assert [g.group_id for g in buf.take(1, 0, timeout=5)] == ["from-copy"]
+        assert buf.stats().produced == 1
+        copy.close()
+    finally:
+        buf.purge()
+        buf.close()

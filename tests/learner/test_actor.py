@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from learner_helpers import free_port, make_batch, make_config, with_advantages
 
 from streamrl.learner.forward import MicroBatch, policy_forward, value_forward
 from streamrl.learner.fsdp import load_causal_lm, load_value_model
 from streamrl.learner.optim import lr_factor
 from streamrl.learner.worker import LearnerWorker
+from tests.support.learner import free_port, make_batch, make_config, with_advantages
 
 CPU = torch.device("cpu")
 

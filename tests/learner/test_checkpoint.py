@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from learner_helpers import free_port, make_batch, make_config, with_advantages
 
 from streamrl.learner import checkpoint as ckpt
 from streamrl.learner.worker import LearnerWorker
+from tests.support.learner import free_port, make_batch, make_config, with_advantages
 
 
 def make_worker(model_dir: Path, out: Path) -> LearnerWorker:

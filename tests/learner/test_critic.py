@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from learner_helpers import free_port, make_batch, make_config
 
 from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.learner.worker import LearnerWorker
+from tests.support.learner import free_port, make_batch, make_config
 
 
 def test_critic_learns_a_constant_return(tiny_model_dir, tmp_path) -> None:

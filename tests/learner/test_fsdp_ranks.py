@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 import torch
-from learner_helpers import free_port, make_batch, make_config, run_ranks, with_advantages
 
 from streamrl.learner.worker import LearnerWorker
+from tests.support.learner import free_port, make_batch, make_config, run_ranks, with_advantages
 
 OVERRIDES = {
     "actor.ppo_mini_batch_size": 2,  # two mini-batches of 2 groups, 4 rows per rank each

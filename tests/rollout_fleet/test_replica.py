@@ -9,7 +9,7 @@ exactly what the replica admits, puts and gives back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -21,6 +21,8 @@ from streamrl.data import ListPromptSource, Prompt, PromptStream
 from streamrl.data.toy import load_toy_source, toy_reward
 from streamrl.rollout_fleet.replica import Replica
 from streamrl.types import Group
+
+pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
@@ -102,32 +104,6 @@ class FlakyEngine:
         if self.calls <= self.fail_first:
             raise ConnectionError("engine hiccup")
         return await self._engine.generate(prompt_ids, params, request_id)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, loop):
-    from streamrl.rollout_fleet import make_engine
-
-    async def build():
-        return make_engine(RolloutConfig(backend="vllm", max_model_len=512), str(tiny_model_dir))
-
-    eng = loop.run_until_complete(build())
-    yield eng
-    loop.run_until_complete(eng.close())
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import torch
-from conftest import free_port, requires_gpu
 
 from streamrl.rollout_fleet.engine import SamplingParams
 from streamrl.rollout_fleet.sglang_engine import SGLangEngine, SGLangError
+from tests.support import free_port
 
 
 def test_sampling_payload_and_output_parsing():
@@ -58,7 +58,7 @@ def server(tmp_path_factory):
 PROMPT = [25, 31, 25, 31]
 
 
-@requires_gpu
+@pytest.mark.gpu
 @needs_sglang
 def test_generate_logprobs_match_hf_recompute(server):
     from transformers import AutoModelForCausalLM
@@ -76,7 +76,7 @@ def test_generate_logprobs_match_hf_recompute(server):
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=0.1, rtol=0.05)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @needs_sglang
 def test_load_weights_changes_output_and_versions(server):
     from transformers import AutoModelForCausalLM
@@ -94,7 +94,7 @@ def test_load_weights_changes_output_and_versions(server):
     assert asyncio.run(engine.generate(PROMPT, greedy, "c"))[0].token_ids == before.token_ids
 
 
-@requires_gpu
+@pytest.mark.gpu
 @needs_sglang
 def test_update_weights_from_distributed(server):
     from sglang.srt.utils import init_custom_process_group
@@ -133,7 +133,7 @@ def test_update_weights_from_distributed(server):
     asyncio.run(engine.load_weights(state.items(), version=6))  # restore
 
 
-@requires_gpu
+@pytest.mark.gpu
 @needs_sglang
 def test_pause_abort_resume_and_health(server):
     engine, _ = server

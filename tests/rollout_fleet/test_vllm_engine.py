@@ -5,14 +5,14 @@ worker functions through collective_rpc. One engine (one engine-core process) pe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from streamrl.config import RolloutConfig
 from streamrl.rollout_fleet.engine import SamplingParams
 from streamrl.rollout_fleet.hf_engine import processed_logprobs
+
+pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
@@ -27,30 +27,10 @@ def worker_embedding_stats(worker) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    # AsyncLLM binds its output handler to one event loop: every call of a module shares it.
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, loop):
-    from streamrl.rollout_fleet import make_engine
-
-    async def build():
-        return make_engine(RolloutConfig(backend="vllm", max_model_len=512), str(tiny_model_dir))
-
-    eng = loop.run_until_complete(build())
-    yield eng
-    loop.run_until_complete(eng.close())
 
 
 @pytest.fixture

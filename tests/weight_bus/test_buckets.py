@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from wb_helpers import digest, make_state
 
 from streamrl.types import BucketSpec, TensorSpec
 from streamrl.weight_bus.buckets import ALIGN, BucketPacker, dtype_from_name, unpack
+from tests.support.weights import digest, make_state
 
 
 def roundtrip(packer: BucketPacker, state: dict[str, torch.Tensor]):

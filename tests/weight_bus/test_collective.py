@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 import torch
-from wb_helpers import digest, killing, make_state, receiver_main
 
 from streamrl.config import WeightBusConfig
-from streamrl.weight_bus.base import ReceiverDied, make_publisher, make_receiver
+from streamrl.weight_bus import ReceiverDied, make_publisher, make_receiver
 from streamrl.weight_bus.collective import CollectivePublisher, CollectiveReceiver
+from tests.support.weights import digest, killing, make_state, receiver_main
 
 TIMEOUT_S = 10.0
 

@@ -7,12 +7,12 @@ import asyncio
 import threading
 
 import pytest
-from wb_helpers import PROMPT, second_model
 
 from streamrl.config import RolloutConfig, WeightBusConfig
 from streamrl.rollout_fleet.engine import SamplingParams
-from streamrl.weight_bus.base import make_publisher
+from streamrl.weight_bus import make_publisher
 from streamrl.weight_bus.colocated import ColocatedPublisher
+from tests.support.weights import PROMPT, second_model
 
 pytest.importorskip("vllm")
 

@@ -9,10 +9,9 @@ import queue
 
 import pytest
 import torch
-from conftest import requires_gpu
-from wb_helpers import digest, make_state
 
 from streamrl.weight_bus.collective import CollectivePublisher
+from tests.support.weights import digest, make_state
 
 
 def nccl_receiver_main(endpoint: str, reports) -> None:  # pragma: no cover - GPU only
@@ -29,7 +28,7 @@ def nccl_receiver_main(endpoint: str, reports) -> None:  # pragma: no cover - GP
     receiver.close()
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_nccl_publish_roundtrip() -> None:  # pragma: no cover - GPU only
     # One GPU: both ranks share device 0 (NCCL allows it across processes).
     publisher = CollectivePublisher(backend="nccl", bucket_mb=1, timeout_s=60)
@@ -51,7 +50,7 @@ def test_nccl_publish_roundtrip() -> None:  # pragma: no cover - GPU only
         publisher.close()
 
 
-@requires_gpu
+@pytest.mark.gpu
 def test_sglang_receiver_is_importable_and_needs_sglang() -> None:  # pragma: no cover
     pytest.importorskip("sglang")
     from streamrl.weight_bus.sglang_receiver import SGLangReceiver, SGLangRelay

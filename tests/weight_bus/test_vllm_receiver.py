@@ -8,9 +8,9 @@ import queue
 import time
 
 import pytest
-from wb_helpers import engine_main, second_model
 
 from streamrl.weight_bus.collective import CollectivePublisher
+from tests.support.weights import engine_main, second_model
 
 pytest.importorskip("vllm")
 TIMEOUT_S = 60.0

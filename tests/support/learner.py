@@ -1,4 +1,4 @@
-"""Shared helpers for the learner tests: hand-made groups, a small config, a rank launcher.
+"""Learner test support: random groups and batches, a small config, a rank launcher.
 
 Kept in a plain module (not conftest) so spawned rank processes can import it.
 """
@@ -6,8 +6,6 @@ Kept in a plain module (not conftest) so spawned rank processes can import it.
 from __future__ import annotations
 
 import os
-import random
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,38 +15,14 @@ import torch
 from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.config import Config, replace, validate
-from streamrl.types import Group, Trajectory
+from streamrl.net import free_port
+from streamrl.testing import random_groups
 
 PAD = 0
 
 
-def make_groups(
-    num_groups: int, n: int, *, seed: int = 0, vocab: int = 300, observation: bool = True
-) -> list[Group]:
-    """Random token groups with ragged prompt/response lengths and a few observation tokens."""
-    rng = random.Random(seed)
-    groups = []
-    for g in range(num_groups):
-        gid = f"g{seed}-{g}"
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 10))]
-        trajs = []
-        for i in range(n):
-            r = rng.randint(2, 14)
-            mask = [1] * r
-            if observation and r > 6 and i % 2:
-                mask[2:4] = [0, 0]  # an interior tool observation
-            trajs.append(Trajectory(
-                uid=f"{gid}-{i}", group_id=gid, prompt_ids=prompt,
-                response_ids=[rng.randrange(3, vocab) for _ in range(r)], loss_mask=mask,
-                logprobs=[-rng.uniform(4.0, 7.0) if m else 0.0 for m in mask],
-                versions=[0 if m else -1 for m in mask], reward=rng.random(),
-            ))
-        groups.append(Group(group_id=gid, trajectories=trajs))
-    return groups
-
-
 def make_batch(num_groups: int = 4, n: int = 4, seed: int = 0, **kw: Any) -> Batch:
-    return Batch.from_groups(make_groups(num_groups, n, seed=seed, **kw), PAD)
+    return Batch.from_groups(random_groups(num_groups, n, seed=seed, **kw), PAD)
 
 
 def make_config(model_dir: str | Path, out_dir: str | Path, **overrides: Any) -> Config:
@@ -81,12 +55,6 @@ def with_advantages(batch: Batch, cfg: Config) -> Batch:
     )
     tensors = {**batch.tensors, "advantages": adv, "returns": ret}
     return Batch(tensors, dict(batch.non_tensors), dict(batch.meta))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _rank_main(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple,

@@ -1,4 +1,8 @@
-"""Helpers for the weight-bus tests: state dicts, digests, and spawned receiver processes."""
+"""Weight-bus test support: state dicts, digests, and the targets of spawned processes.
+
+``receiver_main`` and ``engine_main`` run in ``spawn``-ed processes, which import them by module
+name: this module must stay importable as ``tests.support.weights`` (no pytest-only imports).
+"""
 
 from __future__ import annotations
 

@@ -7,33 +7,28 @@
   reward scorer) and its weight receiver, whose sink applies the mode's update policy.
 
 Both are plain classes: ``runtime.build_runtime`` wraps them with ``ray.remote``; tests may
-use them in-process.
+use them in-process. Depends on learner, rollout_fleet, weight_bus, data and the buffer protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
+from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import Config
+from streamrl.runtime.placement import pin_to_core
 
 log = logging.getLogger(__name__)
-
-
-def pin_to_core(slot: int) -> None:
-    """Bind this process (and the engine processes it starts later) to one core."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[slot % len(cores)]})
 
 
 class LearnerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str,
                  master_port: int) -> None:
         from streamrl.learner.worker import LearnerWorker
-        from streamrl.weight_bus.base import make_publisher
+        from streamrl.weight_bus import make_publisher
 
         if cfg.runtime.pin_cpus:
             pin_to_core(rank)
@@ -92,12 +87,12 @@ class LearnerActor:
 class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
-    def __init__(self, cfg: Config, model_path: str, index: int, buffer: Any,
+    def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer,
                  bus_endpoint: str | None) -> None:
         self.cfg = cfg
-        self.model_path = model_path
+        self.model_path = cfg.model.path
         self.index = index
-        self.buffer_handle = buffer
+        self.buffer = buffer
         self.bus_endpoint = bus_endpoint
         self.replica: Any = None
         self.receiver: Any = None
@@ -106,13 +101,11 @@ class ReplicaActor:
         """Build engine, replica and receiver on the actor's event loop."""
         from transformers import AutoTokenizer
 
-        from streamrl.buffer import make_buffer
         from streamrl.data import make_prompt_source
         from streamrl.rollout_fleet import make_engine
         from streamrl.rollout_fleet.replica import Replica
         from streamrl.rollout_fleet.rewards import make_reward_scorer
-        from streamrl.runtime import RemoteBuffer
-        from streamrl.weight_bus.base import make_receiver
+        from streamrl.weight_bus import make_receiver
 
         cfg = self.cfg
         if cfg.runtime.pin_cpus:
@@ -120,17 +113,13 @@ class ReplicaActor:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = make_engine(cfg.rollout, self.model_path, self.tokenizer)
         self.scorer = make_reward_scorer(cfg.reward)
-        if self.buffer_handle is not None:
-            buffer = RemoteBuffer(self.buffer_handle)
-        else:
-            buffer = make_buffer(cfg, cfg.task.train_batch_size, cfg.max_staleness)
         self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
         self.prompts = self._prompt_stream(cursor=0)
-        self.replica = Replica(self.engine, buffer, self.prompts, self.scorer, self.tokenizer,
+        self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}")
         if self.bus_endpoint is not None:
-            policy = cfg.update_policy
+            policy = cfg.weight_bus.update_policy
 
             async def sink(weights: Any, version: int) -> None:
                 await self.replica.update_weights(weights, version, policy)

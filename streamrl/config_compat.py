@@ -1,0 +1,112 @@
+"""verl compatibility: verl's dotted config keys, and keys streamrl renamed.
+
+- ``VERL_ALIASES``: verl keys accepted as overrides (``actor_rollout_ref.rollout.n=4``),
+- ``RENAMED_KEYS``: keys that moved; using the old name fails with where it went,
+- ``translate_overrides``: applies both to a list of ``key=value`` overrides.
+
+Depends only on ``streamrl.errors``; ``config.load_config`` calls it before composing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from streamrl.errors import ConfigError
+
+# verl's dotted keys -> ours. Values are taken as they are.
+VERL_ALIASES: dict[str, str] = {
+    "actor_rollout_ref.model.path": "model.path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "actor_rollout_ref.rollout.n": "rollout.n",
+    "actor_rollout_ref.rollout.name": "rollout.backend",
+    "actor_rollout_ref.rollout.temperature": "rollout.temperature",
+    "actor_rollout_ref.rollout.top_p": "rollout.top_p",
+    "actor_rollout_ref.rollout.top_k": "rollout.top_k",
+    "actor_rollout_ref.rollout.response_length": "rollout.max_new_tokens",
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "actor_rollout_ref.rollout.enforce_eager": "rollout.enforce_eager",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len",
+    "actor_rollout_ref.actor.ppo_epochs": "actor.ppo_epochs",
+    "actor_rollout_ref.actor.clip_ratio": "actor.clip_ratio",
+    "actor_rollout_ref.actor.clip_ratio_low": "actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c": "actor.clip_ratio_c",
+    "actor_rollout_ref.actor.loss_agg_mode": "actor.loss_agg_mode",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "actor.policy_loss",
+    "actor_rollout_ref.actor.entropy_coeff": "actor.entropy_coeff",
+    "actor_rollout_ref.actor.use_kl_loss": "actor.use_kl_loss",
+    "actor_rollout_ref.actor.kl_loss_coef": "actor.kl_loss_coef",
+    "actor_rollout_ref.actor.kl_loss_type": "actor.kl_loss_type",
+    "actor_rollout_ref.actor.grad_clip": "actor.grad_clip",
+    "actor_rollout_ref.actor.optim.lr": "actor.optim.lr",
+    "actor_rollout_ref.actor.optim.weight_decay": "actor.optim.weight_decay",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
+    "critic.optim.lr": "critic.optim.lr",
+    "critic.cliprange_value": "critic.cliprange_value",
+    "critic.ppo_epochs": "critic.ppo_epochs",
+    "algorithm.adv_estimator": "algorithm.adv_estimator",
+    "algorithm.gamma": "algorithm.gamma",
+    "algorithm.lam": "algorithm.lam",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std_in_grpo",
+    "algorithm.use_kl_in_reward": "algorithm.use_kl_in_reward",
+    "algorithm.kl_penalty": "algorithm.kl_penalty",
+    "algorithm.kl_ctrl.type": "algorithm.kl_ctrl_type",
+    "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
+    "algorithm.kl_ctrl.target_kl": "algorithm.target_kl",
+    "algorithm.kl_ctrl.horizon": "algorithm.horizon",
+    "data.train_batch_size": "task.train_batch_size",
+    "data.max_prompt_length": "task.max_prompt_length",
+    "data.max_response_length": "rollout.max_new_tokens",
+    "data.train_files": "task.train_files",
+    "data.val_files": "task.val_files",
+    "data.shuffle": "task.shuffle",
+    "custom_reward_function.path": "reward.custom_path",
+    "custom_reward_function.name": "reward.custom_name",
+    "trainer.total_epochs": "trainer.total_epochs",
+    "trainer.total_training_steps": "trainer.total_steps",
+    "trainer.test_freq": "trainer.test_freq",
+    "trainer.save_freq": "trainer.save_freq",
+    "trainer.project_name": "trainer.project_name",
+    "trainer.experiment_name": "trainer.experiment_name",
+    "trainer.default_local_dir": "trainer.output_dir",
+    "trainer.logger": "trainer.logger",
+    "trainer.n_gpus_per_node": "learner.world_size",
+}
+
+# Keys that existed under another name: using the old one fails with where it went.
+RENAMED_KEYS: dict[str, str] = {
+    "rollout.response_length": "rollout.max_new_tokens",
+    "buffer.staleness": "buffer.max_staleness",
+    "trainer.staleness": "buffer.max_staleness",
+    "weight_bus.bucket_size_mb": "weight_bus.bucket_mb",
+}
+
+
+def translate_overrides(overrides: list[str], modes: Iterable[str]) -> list[str]:
+    """Map verl-style dotted keys to ours; renamed keys fail with a migration message.
+
+    Also accepts ``trainer.mode=X`` (X one of ``modes``) as the ``mode=X`` preset selection.
+    """
+    modes = tuple(modes)
+    out: list[str] = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, value = item.split("=", 1)
+        prefix = ""
+        while key and key[0] in "+~":
+            prefix, key = prefix + key[0], key[1:]
+        if key in RENAMED_KEYS:
+            raise ConfigError(f"config key {key!r} was renamed to {RENAMED_KEYS[key]!r}")
+        if key == "trainer.mode":
+            if value not in modes:
+                raise ConfigError(f"trainer.mode={value!r}: must be one of {modes}")
+            key = "mode"
+        key = VERL_ALIASES.get(key, key)
+        if key == "trainer.logger" and value.startswith("[") and "'" in value:
+            value = value.replace("'", "")
+        out.append(f"{prefix}{key}={value}")
+    return out

@@ -1,0 +1,70 @@
+"""Ray placement: start or join the cluster and reserve the resource pools.
+
+- ``WORKER_ENV``: the environment every worker process needs for CPU engines (DESIGN.md §11),
+- ``init_ray(cfg)``: start a local Ray (or join ``runtime.address``) with token auth on,
+- ``reserve_pools(cfg)``: placement groups — ``colocated``: learner rank i and replica i share
+  bundle i; ``disaggregated``: a train pool and a rollout pool,
+- ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
+- ``pin_to_core(slot)``: optional core pinning (``runtime.pin_cpus``).
+
+Depends on config only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from streamrl.config import Config
+
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+POOL_READY_TIMEOUT_S = 120
+
+
+def init_ray(cfg: Config) -> bool:
+    """Start a local Ray (or join ``runtime.address``); returns whether this call started it."""
+    if ray.is_initialized():
+        return False
+    ray.init(
+        address=cfg.runtime.address,
+        num_cpus=cfg.runtime.num_cpus if cfg.runtime.address is None else None,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": WORKER_ENV},
+    )
+    return True
+
+
+def reserve_pools(cfg: Config) -> tuple[PlacementGroup, PlacementGroup]:
+    """(train pool, rollout pool); the same group twice when colocated."""
+    world, replicas = cfg.learner.world_size, cfg.rollout.num_replicas
+    if cfg.runtime.placement == "colocated":
+        bundle = {"CPU": cfg.runtime.cpus_per_learner + cfg.runtime.cpus_per_replica}
+        pg = placement_group([bundle] * max(world, replicas), strategy="PACK")
+        ray.get(pg.ready(), timeout=POOL_READY_TIMEOUT_S)
+        return pg, pg
+    train = placement_group([{"CPU": cfg.runtime.cpus_per_learner}] * world, strategy="PACK")
+    rollout = placement_group([{"CPU": cfg.runtime.cpus_per_replica}] * replicas,
+                              strategy="PACK")
+    ray.get([train.ready(), rollout.ready()], timeout=POOL_READY_TIMEOUT_S)
+    return train, rollout
+
+
+def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def pin_to_core(slot: int) -> None:
+    """Bind this process (and the engine processes it starts later) to one core."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[slot % len(cores)]})

@@ -1,0 +1,49 @@
+"""Bucketed broadcast of weights on a dedicated process group (gloo on CPU, NCCL on GPU).
+
+Modules (``publisher`` and ``receiver`` import ``wire`` and ``weight_bus.base``, never each other;
+nothing here is imported by ``base``):
+- ``wire``: ``send_buckets`` / ``recv_buckets``, the data-plane format of one version on a formed
+  group (per bucket a header ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``,
+  the flat data; a ``(0, 0)`` header ends the version), and ``manifest_of``.
+- ``publisher``: ``CollectivePublisher`` (learner rank 0): roster and acks over
+  ``control.ControlServer``, group generations over one ``TCPStore``; ``publish`` packs lazily
+  from the iterator, broadcasts, checks every receiver's ``received`` ack (with the manifest it
+  assembled) within timeout_s.
+- ``receiver``: ``CollectiveReceiver`` + ``LocalLanding``: a background thread that joins each
+  announced generation, receives the version in this process and hands it whole to the sink.
+  ``vllm_receiver.VLLMWorkerLanding`` lands buckets inside a vLLM worker instead.
+
+Failure handling. Every wait is bounded by ``timeout_s`` and polls a check: on the learner, "has
+a member stopped heartbeating or acked ``failed``"; on receivers, "did the learner set this
+generation's abort flag". When a receiver dies mid-broadcast the learner still drains the
+iterator (FSDP ranks gather in lockstep), aborts the generation, names the dead receivers
+(``ReceiverDied``), forms a new generation with the survivors and re-sends the version to them
+from its copy, so survivors rejoin without any action of theirs.
+
+Late joiners (documented choice): with ``keep_latest`` (default on gloo/CPU) the learner keeps the
+packed buckets of the latest version (one extra copy of the weights in host memory) and a
+background thread sends them to any receiver that joins late, on a generation of its own, right
+away. Without it (default with NCCL: the copy would cost GPU memory) a late joiner is noted in
+``needs_republish`` and gets the weights with the next ``publish``; the controller can publish the
+current weights again at once if it cannot wait.
+"""
+
+from streamrl.weight_bus.collective.publisher import CollectivePublisher
+from streamrl.weight_bus.collective.receiver import (
+    CollectiveReceiver,
+    Landing,
+    LocalLanding,
+    default_receiver_id,
+)
+from streamrl.weight_bus.collective.wire import manifest_of, recv_buckets, send_buckets
+
+__all__ = [
+    "CollectivePublisher",
+    "CollectiveReceiver",
+    "Landing",
+    "LocalLanding",
+    "default_receiver_id",
+    "manifest_of",
+    "recv_buckets",
+    "send_buckets",
+]

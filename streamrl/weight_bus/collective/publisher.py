@@ -1,0 +1,328 @@
+"""Learner side of the collective bus: ``CollectivePublisher`` (learner rank 0).
+
+Roster, announcements and acks go over ``control.ControlServer``; group generations rendezvous on
+one ``TCPStore``. ``publish`` packs lazily from the learner's iterator, broadcasts on the current
+generation (``wire.send_buckets``) and checks every receiver's ``received`` ack and the manifest
+it assembled, within ``timeout_s``. After a failed broadcast ``_recover`` aborts the generation,
+names the dead and re-sends the version to the survivors; ``_catch_up`` serves late joiners from
+the kept copy (see the package docstring for both policies).
+
+Dependencies: ``base`` (the protocol), ``buckets`` (packing), ``control`` (ZMQ), ``groups``,
+``wire``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from streamrl.net import free_port
+from streamrl.types import BucketSpec
+from streamrl.weight_bus.base import (
+    NamedTensors,
+    PublishStats,
+    ReceiverDied,
+    WeightBusError,
+    WeightPublisher,
+    check_version,
+)
+from streamrl.weight_bus.buckets import Bucket, BucketPacker, BufferPool
+from streamrl.weight_bus.collective.wire import Check, manifest_of, send_buckets
+from streamrl.weight_bus.control import Announce, ControlServer
+from streamrl.weight_bus.groups import GroupSpec, WeightGroup, join_group
+
+log = logging.getLogger(__name__)
+
+
+class _Dead(WeightBusError):
+    def __init__(self, dead: dict[str, str]) -> None:
+        super().__init__(f"receivers died: {dead}")
+        self.dead = dead
+
+
+class CollectivePublisher(WeightPublisher):
+    """Learner rank 0: announces versions over ZMQ and broadcasts buckets on the weight group."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_mb: float = 64,
+        timeout_s: float = 60.0,
+        backend: str = "gloo",
+        cast_dtype: torch.dtype | None = None,
+        keep_latest: bool | None = None,
+    ) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
+        if bucket_mb <= 0 or timeout_s <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb}, timeout_s={timeout_s}: must be > 0")
+        self.host, self.backend, self.timeout_s = host, backend, timeout_s
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.cast_dtype = cast_dtype
+        self.keep_latest = backend == "gloo" if keep_latest is None else keep_latest
+        self.control = ControlServer(host, port, timeout_s=timeout_s)
+        self.endpoint = self.control.endpoint
+        self._store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        self._lock = threading.RLock()
+        self._version = -1
+        self._cache: list[Bucket] | None = None
+        self._pool = BufferPool()  # bucket buffers reused from version to version (warm pages)
+        self._generation = 0
+        self._group: WeightGroup | None = None
+        self._members: tuple[str, ...] = ()
+        self.needs_republish = False
+        """True when a receiver joined that only a fresh ``publish`` can serve (no copy kept)."""
+        self._closed = threading.Event()
+        self._catch_up_thread = threading.Thread(target=self._catch_up_loop, daemon=True,
+                                                 name="weight-bus-catch-up")
+        self._catch_up_thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # -- public ---------------------------------------------------------------------------
+    def wait_for_receivers(self, n: int, timeout: float | None = None) -> list[str]:
+        """Block until ``n`` receivers are live; returns their ids."""
+        if not self.control.wait_for(lambda: len(self.control.live()) >= n,
+                                     timeout or self.timeout_s):
+            raise WeightBusError(f"weight bus: only {self.control.live()} of {n} receivers "
+                                 f"joined {self.endpoint} within {timeout or self.timeout_s} s")
+        return self.control.live()
+
+    def wait_loaded(self, version: int, timeout: float | None = None) -> dict[str, int]:
+        """Block until every live receiver loaded ``version`` (or newer); returns their versions."""
+        def done() -> bool:
+            live = self.control.live()
+            loaded = self.control.loaded_versions()
+            return all(loaded.get(r, -1) >= version for r in live)
+
+        if not self.control.wait_for(done, timeout or self.timeout_s):
+            loaded = self.control.loaded_versions()
+            behind = {r: v for r, v in loaded.items() if v < version}
+            raise WeightBusError(f"weight bus: receivers {behind} did not load version {version} "
+                                 f"within {timeout or self.timeout_s} s")
+        return self.control.loaded_versions()
+
+    def publish(self, version: int, named_tensors: NamedTensors) -> PublishStats:
+        start = time.monotonic()
+        with self._lock:
+            check_version(version, self._version)
+            for bucket in self._cache or ():  # the previous copy's buffers pack this version
+                self._pool.give(bucket.buffer)
+            self._cache = None
+            members = tuple(self.control.live())
+            self.control.take_joiners()  # members get this version; no catch-up needed
+            packer = BucketPacker(self.bucket_bytes, cast_dtype=self.cast_dtype,
+                                  device=self._device(), pool=self._pool)
+            cache: list[Bucket] | None = [] if self.keep_latest else None
+            specs: list[BucketSpec] = []
+            buckets = _recorded(packer.pack(named_tensors), specs, cache)
+            publish_id = uuid.uuid4().hex
+            failure: Exception | None = None
+            if members:
+                try:
+                    self._send(members, version, publish_id, buckets,
+                               sent=packer.release if cache is None else _noop)
+                except (WeightBusError, RuntimeError) as exc:
+                    failure = exc
+                    log.error("weight bus: publish of version %d failed: %s", version, exc)
+            for _bucket in buckets:
+                pass  # drain, even after a failure: the other FSDP ranks gather in lockstep
+            manifest = manifest_of(version, publish_id, specs)
+            self._version, self._cache = version, cache
+            self.control.set_current(version, manifest)
+            if failure is not None:
+                self._recover(members, version, failure)
+            self.needs_republish = False
+            return PublishStats(
+                version=version, nbytes=manifest.total_bytes,
+                num_tensors=sum(len(b.tensors) for b in specs), num_buckets=len(specs),
+                seconds=time.monotonic() - start, receivers=members,
+                generation=self._generation if members else -1,
+            )
+
+    def close(self) -> None:
+        self._closed.set()
+        self._catch_up_thread.join(timeout=5)
+        with self._lock:
+            self._drop_group()
+            self._cache = None
+            self._pool.clear()
+        self.control.close()
+
+    # -- internals ------------------------------------------------------------------------
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check(self, members: tuple[str, ...], publish_id: str) -> Check:
+        def check() -> None:
+            dead = self.control.dead_among(members)
+            if dead:
+                raise _Dead(dead)
+            failed = self.control.failed_acks(publish_id)
+            if failed:
+                raise WeightBusError(f"weight bus: receivers reported failures: {failed}")
+        return check
+
+    def _drop_group(self, abort_reason: str | None = None) -> None:
+        """Close the current generation; with ``abort_reason``, tell its receivers to give up."""
+        if self._group is None:
+            return
+        if abort_reason is not None:
+            self._group.abort(abort_reason)
+        self._group.close()
+        self._group = None
+
+    def _new_spec(self, world_size: int) -> GroupSpec:
+        self._generation += 1
+        nccl_port = free_port(self.host) if self.backend == "nccl" else 0
+        return GroupSpec(generation=self._generation, backend=self.backend, host=self.host,
+                         store_port=self._store.port, world_size=world_size, rank=0,
+                         timeout_s=self.timeout_s, nccl_port=nccl_port)
+
+    def _open_generation(self, targets: tuple[str, ...], version: int, publish_id: str,
+                         check: Check) -> WeightGroup:
+        """Announce ``version`` to ``targets`` on the current generation if they are exactly its
+        members, else on a new generation (formed here: blocks until every target joined)."""
+        group = self._group
+        reuse = group is not None and not group.broken and self._members == targets
+        if not reuse:
+            self._drop_group()
+        spec0 = group.spec if reuse and group is not None else self._new_spec(len(targets) + 1)
+        for rank, rid in enumerate(targets, start=1):
+            self.control.announce(rid, Announce(version=version, publish_id=publish_id,
+                                                group=msgspec.structs.replace(spec0, rank=rank)))
+        if reuse and group is not None:
+            return group
+        group = join_group(spec0, self._store, time.monotonic() + self.timeout_s, check)
+        self._group, self._members = group, targets
+        return group
+
+    def _send(self, targets: tuple[str, ...], version: int, publish_id: str,
+              buckets: Iterator[Bucket], sent: Callable[[Bucket], None]) -> None:
+        """Announce ``version`` to ``targets``, broadcast it, check the manifests they acked."""
+        check = self._check(targets, publish_id)
+        group = self._open_generation(targets, version, publish_id, check)
+        try:
+            specs = send_buckets(group, buckets, timeout_s=self.timeout_s, check=check, sent=sent)
+            acks = self.control.wait_acks(publish_id, targets, ("received",),
+                                          time.monotonic() + self.timeout_s, check)
+        except Exception:
+            group.broken = True
+            raise
+        failed = {rid: ack.error for rid, ack in acks.items() if ack.stage == "failed"}
+        if failed:
+            group.broken = True
+            raise WeightBusError(f"weight bus: receivers failed to receive version {version}: "
+                                 f"{failed}")
+        expected = manifest_of(version, publish_id, specs)
+        wrong = sorted(rid for rid, ack in acks.items() if ack.manifest != expected)
+        if wrong:
+            group.broken = True
+            raise WeightBusError(f"weight bus: receivers {wrong} assembled a manifest that differs "
+                                 f"from version {version}'s")
+        self.control.drop_acks(publish_id)
+
+    def _send_cached(self, targets: tuple[str, ...]) -> None:
+        """Send the kept copy of the latest version to ``targets``."""
+        assert self._cache is not None
+        self._send(targets, self._version, uuid.uuid4().hex, iter(self._cache), sent=_noop)
+
+    def _identify_dead(self, members: tuple[str, ...]) -> dict[str, str]:
+        """Wait (at most one liveness window) for heartbeats to show who died."""
+        deadline = time.monotonic() + self.control.dead_after_s + 0.5
+        while True:
+            dead = self.control.dead_among(members)
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _recover(self, members: tuple[str, ...], version: int, failure: Exception) -> None:
+        """After a failed broadcast: abort the generation, name the dead, serve the survivors."""
+        generation = self._generation
+        self._drop_group(f"publish of version {version} failed: {failure}")
+        dead = failure.dead if isinstance(failure, _Dead) else self._identify_dead(members)
+        self.control.forget(dead)
+        survivors = [m for m in members if m not in dead]
+        recovered = False
+        if survivors and self._cache is not None:
+            try:
+                self._send_cached(tuple(survivors))
+                recovered = True
+            except (WeightBusError, RuntimeError) as exc:
+                log.error("weight bus: re-sending version %d to %s failed: %s",
+                          version, survivors, exc)
+        if not recovered:
+            self.needs_republish = True
+        if not dead:
+            raise WeightBusError(
+                f"weight bus: publish of version {version} on generation {generation} failed "
+                f"({failure}); members {list(members)}; "
+                + ("re-sent to all of them" if recovered else "they need a fresh publish")
+            ) from failure
+        what = (f"version {version} re-sent to them on generation {self._generation}"
+                if recovered else "they get the next publish")
+        raise ReceiverDied(
+            f"weight bus: receiver(s) {sorted(dead)} died during publish of version {version} "
+            f"(generation {generation}): "
+            + "; ".join(f"{rid}: {why}" for rid, why in sorted(dead.items()))
+            + f". Group re-formed for the survivors {survivors}; {what}.",
+            dead=dead, survivors=survivors, version=version, recovered=recovered,
+        ) from failure
+
+    def _catch_up_loop(self) -> None:
+        while not self._closed.is_set():
+            self.control.wait_for(lambda: bool(self.control.joiners) or self._closed.is_set(),
+                                  0.5)
+            if self._closed.is_set() or not self.control.joiners:
+                continue
+            with self._lock:
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Serve the receivers that joined behind the latest version (under ``_lock``)."""
+        joiners = self.control.take_joiners()
+        live = set(self.control.live())
+        behind = tuple(sorted(j for j in set(joiners) & live
+                              if self.control.received_version(j) < self._version))
+        if not behind:
+            return
+        if self._cache is None:
+            self.needs_republish = True
+            log.info("weight bus: %s joined late; no copy kept, the next publish serves them",
+                     behind)
+            return
+        try:
+            self._send_cached(behind)
+            log.info("weight bus: sent version %d to late joiners %s", self._version, behind)
+        except (WeightBusError, RuntimeError) as exc:
+            log.error("weight bus: catch-up of %s failed: %s", behind, exc)
+            self._drop_group(f"catch-up failed: {exc}")
+
+
+def _recorded(buckets: Iterator[Bucket], specs: list[BucketSpec],
+              kept: list[Bucket] | None) -> Iterator[Bucket]:
+    """Yield ``buckets``, noting each spec in ``specs`` and keeping each bucket in ``kept``."""
+    for bucket in buckets:
+        specs.append(bucket.spec)
+        if kept is not None:
+            kept.append(bucket)
+        yield bucket
+
+
+def _noop(_bucket: Bucket) -> None:
+    return None

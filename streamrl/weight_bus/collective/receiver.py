@@ -1,0 +1,211 @@
+"""Replica side of the collective bus: receive each announced version and feed the sink.
+
+Parts:
+- ``Landing``: where a receiver's buckets land (``receive`` / ``discard`` / ``close``).
+- ``LocalLanding``: joins the announced generation in this process and receives into tensors
+  here (``vllm_receiver.VLLMWorkerLanding`` lands them inside a vLLM worker instead).
+- ``CollectiveReceiver``: a background thread that takes each announcement from the
+  ``ControlClient``, lets its landing receive the version, acks ``received`` (with the manifest
+  it assembled), hands the version whole to the sink and acks ``loaded``, ``skipped`` or
+  ``failed``. Every wait is bounded by the generation's ``timeout_s`` and polls the generation's
+  abort flag, so a receiver gives a generation up when the learner does.
+
+Dependencies: ``base`` (the protocol), ``control`` (ZMQ), ``groups`` (joining), ``wire``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from streamrl.types import WeightManifest
+from streamrl.weight_bus.base import NamedTensors, WeightReceiver, WeightSink
+from streamrl.weight_bus.buckets import BufferPool
+from streamrl.weight_bus.collective.wire import manifest_of, recv_buckets
+from streamrl.weight_bus.control import Announce, ControlClient
+from streamrl.weight_bus.groups import (
+    GroupAborted,
+    GroupSpec,
+    WeightGroup,
+    join_group,
+    store_client,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Landing(Protocol):
+    """Where a receiver's buckets land: this process, or inside an inference worker."""
+
+    def receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]: ...
+
+    def discard(self, announce: Announce) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalLanding:
+    """Joins the announced generation in this process and receives into tensors here."""
+
+    def __init__(self) -> None:
+        self._group: WeightGroup | None = None
+        self._pool = BufferPool()
+        self._lent: list[torch.Tensor] = []
+
+    def receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]:
+        # The sink has returned for the previous version: its buffers take this one.
+        for buffer in self._lent:
+            self._pool.give(buffer)
+        self._lent = []
+        group = self._join(announce.group)
+        try:
+            specs, tensors, self._lent = recv_buckets(
+                group, timeout_s=group.spec.timeout_s, check=group.check_abort, pool=self._pool)
+        except Exception:
+            group.broken = True
+            self._drop()
+            raise
+        return manifest_of(announce.version, announce.publish_id, specs), tensors
+
+    def _join(self, spec: GroupSpec) -> WeightGroup:
+        if self._group is not None and self._group.spec == spec:
+            return self._group
+        self._drop()
+        store = store_client(spec.host, spec.store_port, spec.timeout_s)
+        probe = dist.PrefixStore(spec.prefix, store)
+
+        def check() -> None:
+            if probe.check(["abort"]):
+                raise GroupAborted(f"weight bus generation {spec.generation} aborted while "
+                                   f"joining: {probe.get('abort').decode(errors='replace')}")
+
+        self._group = join_group(spec, store, time.monotonic() + spec.timeout_s, check)
+        return self._group
+
+    def _drop(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def discard(self, announce: Announce) -> None:
+        return None
+
+    def close(self) -> None:
+        self._drop()
+
+
+def default_receiver_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class CollectiveReceiver(WeightReceiver):
+    """Receives every announced version in a background thread and feeds it to ``sink``.
+
+    Versions are monotonic: a version not newer than the loaded one is received (the broadcast is
+    collective) but not loaded, with a log line. ``sink`` may be sync or async; an async sink runs
+    on ``loop`` (the replica's event loop; default: the loop running at construction, if any).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        sink: WeightSink | Callable[[NamedTensors, int], Any],
+        *,
+        receiver_id: str | None = None,
+        timeout_s: float = 60.0,
+        loop: asyncio.AbstractEventLoop | None = None,
+        landing: Landing | None = None,
+        initial_version: int = -1,
+    ) -> None:
+        self.receiver_id = receiver_id or default_receiver_id()
+        self.sink = sink
+        self.timeout_s = timeout_s
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+        self.loop = loop
+        self.landing: Landing = landing or LocalLanding()
+        self._version = initial_version
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.control = ControlClient(endpoint, self.receiver_id, timeout_s=timeout_s,
+                                     loaded_version=initial_version)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"weight-bus-receiver-{self.receiver_id}")
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def wait_version(self, version: int, timeout: float) -> bool:
+        """Block until a version >= ``version`` is loaded; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._version >= version, timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s)
+        self.control.close()
+        self.landing.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            announce = self.control.next_announce(0.1)
+            if announce is not None:
+                self._handle(announce)
+
+    def _handle(self, announce: Announce) -> None:
+        try:
+            manifest, weights = self.landing.receive(announce)
+        except Exception as exc:  # reported to the learner; the next announcement retries
+            log.warning("weight bus: %s failed to receive version %d: %s",
+                        self.receiver_id, announce.version, exc)
+            self.control.ack(announce, "failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.control.ack(announce, "received", manifest=manifest)
+        if announce.version <= self._version:
+            log.info("weight bus: %s ignores version %d (already at %d)",
+                     self.receiver_id, announce.version, self._version)
+            self.landing.discard(announce)
+            self.control.ack(announce, "skipped")
+            return
+        try:
+            self._deliver(weights, announce.version)
+        except Exception as exc:
+            log.exception("weight bus: %s could not load version %d", self.receiver_id,
+                          announce.version)
+            self.landing.discard(announce)
+            self.control.ack(announce, "failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        with self._cond:
+            self._version = announce.version
+            self._cond.notify_all()
+        self.control.loaded_version = announce.version
+        self.control.ack(announce, "loaded")
+
+    def _deliver(self, weights: NamedTensors, version: int) -> None:
+        result = self.sink(weights, version)
+        if not inspect.isawaitable(result):
+            return
+        if self.loop is not None:
+            asyncio.run_coroutine_threadsafe(_awaited(result), self.loop).result()
+        else:
+            asyncio.run(_awaited(result))
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
