@@ -423,6 +423,7 @@ def validate(cfg: Config) -> Config:
         _fail("task.train_files", cfg.task.train_files, "is required with task.source=parquet")
     if cfg.trainer.resume not in ("disable", "auto") and not Path(cfg.trainer.resume).exists():
         _fail("trainer.resume", cfg.trainer.resume, "is neither disable, auto nor a checkpoint dir")
+    _check_agent(cfg)
     return cfg
 
 
@@ -466,6 +467,35 @@ def with_mode(cfg: Config, mode: str, max_staleness: int | None = None) -> Confi
                           f"trainer.mode={mode!r}, whose staleness bound is {eta}")
     return replace(cfg, **{"trainer.mode": mode, "buffer.max_staleness": eta,
                            "weight_bus.update_policy": preset.update_policies[0]})
+
+
+def _check_agent(cfg: Config) -> None:
+    """The agent keys: a loadable-looking ``rollout.agent``, its budgets and tools, and room for
+    the longest episode (first prompt + ``rollout.max_episode_tokens``) in the learner's token
+    budget and the engine's context."""
+    from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
+
+    r = cfg.rollout
+    if r.agent is None:
+        if r.tools:
+            _fail("rollout.tools", r.tools, "needs rollout.agent (tools serve an environment)")
+        return
+    if r.agent not in BUILTIN_ENVS and ":" not in r.agent:
+        _fail("rollout.agent", r.agent,
+              f"must be a built-in environment {sorted(BUILTIN_ENVS)} or 'module:Class'")
+    for tool in r.tools:
+        if ":" not in tool:
+            _fail("rollout.tools", tool, "must be 'module:function' or 'file.py:function'")
+    _check_positive(cfg, ["rollout.max_turns", "rollout.max_episode_tokens",
+                          "rollout.tool_timeout_s"])
+    longest = cfg.task.max_prompt_length + r.max_episode_tokens
+    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < longest:
+        _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
+              f"is below the longest episode task.max_prompt_length + rollout.max_episode_tokens"
+              f" = {longest}")
+    if longest > r.max_model_len:
+        _fail("rollout.max_model_len", r.max_model_len,
+              f"is below task.max_prompt_length + rollout.max_episode_tokens = {longest}")
 
 
 def register_configs() -> None:

@@ -8,6 +8,13 @@ The loop, on one asyncio event loop::
         buffer.try_admit()          refused -> back off briefly (the staleness bound, §2)
         prompt = prompts.next()
         start a group task: sample n -> decode -> score -> Trajectories -> buffer.put(Group)
+                   or, with rollout.agent: run n episodes (agent/loop.py) -> buffer.put(Group)
+
+Agent groups: each of the n samples is one multi-turn episode; the environment scores it (the
+scorer is not used). Every turn's request goes through the same request machinery as a
+single-turn group (``_sample_with_retries``: retries, the abort gate, resumption), so an episode
+survives ``pause`` and ``abort`` updates with exact per-token versions, and an episode whose
+environment raises fails its group like a failed request does.
 
 A group task retries a failed request up to ``rollout.max_retries`` times; a group that still
 fails, or whose building fails, is counted and its admission given back
@@ -28,8 +35,9 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
 ``buffer.try_admit`` and ``buffer.put`` are called synchronously (no await between deciding
 and recording), so a cancelled group can never be both put and given back.
 
-Dependencies: engine.py (protocol), buffer/base.py (protocol), types.py, config.py, and duck-
-typed prompt stream (``next() -> Prompt``), scorer (``await score(...)``) and tokenizer.
+Dependencies: engine.py (protocol), buffer/base.py (protocol), agent/ (episodes), types.py,
+config.py, and duck-typed prompt stream (``next() -> Prompt``), scorer (``await score(...)``)
+and tokenizer.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import torch
 
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import UPDATE_POLICIES, RolloutConfig
+from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 from streamrl.types import Group, Trajectory, new_uid
 
@@ -109,6 +118,12 @@ class ReplicaCounters:
     """Partial responses resubmitted after an abort-policy weight update."""
     admission_refused: int = 0
     loop_errors: int = 0
+    episodes: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    """Tool calls that became error observations (ill-formed, raised, timed out, junk)."""
+    episodes_truncated: int = 0
     weight_updates: int = 0
     last_update_s: float = 0.0
 
@@ -140,6 +155,7 @@ class Replica:
         self.name = name
         self.admit_backoff_s = admit_backoff_s
         self.params = sampling_params(rollout)
+        self.agent = make_agent(rollout, tokenizer) if rollout.agent else None
         self.counters = ReplicaCounters()
         self._groups: set[asyncio.Task[None]] = set()
         self._requests: set[str] = set()  # engine request ids in flight
@@ -246,11 +262,10 @@ class Replica:
     async def _group(self, prompt: PromptLike) -> None:
         group_id = new_uid()
         try:
-            start = time.perf_counter()
-            completions = await self._sample_with_retries(prompt, group_id)
-            gen_s = time.perf_counter() - start
-            trajectories = await asyncio.gather(
-                *(self._trajectory(prompt, group_id, c, gen_s) for c in completions))
+            if self.agent is None:
+                trajectories = await self._single_turn(prompt, group_id)
+            else:
+                trajectories = await self._episodes(prompt, group_id)
             group = Group(group_id=group_id, trajectories=list(trajectories),
                           prompt_index=prompt.index, created_ts=time.time())
             self.buffer.put(group)
@@ -274,28 +289,59 @@ class Replica:
         c.tokens += sum(len(t.response_ids) for t in group.trajectories)
         c.reward_sum += sum(group.rewards)
 
-    async def _sample_with_retries(self, prompt: PromptLike, group_id: str) -> list[Completion]:
+    async def _single_turn(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
+        start = time.perf_counter()
+        completions = await self._sample_with_retries(
+            prompt.prompt_ids, self.params, group_id, f"prompt {prompt.index}")
+        gen_s = time.perf_counter() - start
+        return list(await asyncio.gather(
+            *(self._trajectory(prompt, group_id, c, gen_s) for c in completions)))
+
+    async def _episodes(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
+        assert self.agent is not None
+        tasks = [asyncio.ensure_future(run_episode(self.agent, prompt, self._sample_turn,
+                                                   f"{group_id}-e{i}"))
+                 for i in range(self.rollout.n)]
+        try:
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # a failed group must not leave its siblings sampling
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [self._episode_trajectory(prompt, group_id, e) for e in episodes]
+
+    async def _sample_turn(self, prompt_ids: list[int], max_tokens: int, request_id: str
+                           ) -> Completion:
+        """One agent turn: a single sample through the retry / abort-resume machinery."""
+        params = dataclasses.replace(self.params, n=1, max_tokens=max_tokens)
+        (c,) = await self._sample_with_retries(prompt_ids, params, request_id, request_id)
+        return c
+
+    async def _sample_with_retries(
+        self, prompt_ids: list[int], params: SamplingParams, key: str, what: str
+    ) -> list[Completion]:
         last: Exception | None = None
         for attempt in range(self.rollout.max_retries + 1):
             try:
-                return await self._sample(prompt.prompt_ids, self.params, f"{group_id}-{attempt}")
+                return await self._sample(prompt_ids, params, f"{key}-{attempt}")
             except _Cancelled:
                 raise
             except Exception as exc:
                 self.counters.request_failures += 1
                 last = exc
-                logger.warning("%s: request %s-%d failed (%s: %s)", self.name, group_id, attempt,
+                logger.warning("%s: request %s-%d failed (%s: %s)", self.name, key, attempt,
                                type(exc).__name__, exc)
                 await asyncio.sleep(min(1.0, self.admit_backoff_s * 2**attempt))
         raise RuntimeError(f"{self.name}: sampling failed {self.rollout.max_retries + 1} "
-                           f"times for prompt {prompt.index}") from last
+                           f"times for {what}") from last
 
     async def _sample(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> list[Completion]:
         completions = await self._request(prompt_ids, params, request_id)
         return list(await asyncio.gather(*(
-            self._resume_if_aborted(prompt_ids, c, params.max_tokens, f"{request_id}-{i}")
+            self._resume_if_aborted(prompt_ids, c, params, f"{request_id}-{i}")
             for i, c in enumerate(completions))))
 
     async def _request(
@@ -311,7 +357,7 @@ class Replica:
             self._requests.discard(request_id)
 
     async def _resume_if_aborted(
-        self, prompt_ids: list[int], done: Completion, max_tokens: int, request_id: str
+        self, prompt_ids: list[int], done: Completion, params: SamplingParams, request_id: str
     ) -> Completion:
         """Continue a response an abort-policy update interrupted, keeping its partial tokens."""
         empty_aborts = 0
@@ -319,15 +365,15 @@ class Replica:
         while done.finish_reason == "abort":
             if self._cancelling:
                 raise _Cancelled
-            remaining = max_tokens - len(done.token_ids)
+            remaining = params.max_tokens - len(done.token_ids)
             if remaining <= 0:
                 done.finish_reason = "length"
                 break
             part += 1
             self.counters.resumed_requests += 1
-            params = dataclasses.replace(self.params, n=1, max_tokens=remaining)
-            (rest,) = await self._request(prompt_ids + done.token_ids, params,
-                                          f"{request_id}-r{part}")
+            (rest,) = await self._request(
+                prompt_ids + done.token_ids,
+                dataclasses.replace(params, n=1, max_tokens=remaining), f"{request_id}-r{part}")
             # An engine that keeps aborting without progress must not loop forever.
             empty_aborts = empty_aborts + 1 if not rest.token_ids else 0
             if empty_aborts > self.rollout.max_retries:
@@ -364,6 +410,28 @@ class Replica:
             finish_reason=c.finish_reason, data_source=prompt.data_source,
             ground_truth=prompt.ground_truth, extra=dict(prompt.extra),
             metrics={"gen_s": gen_s, "score_s": time.perf_counter() - start},
+        )
+
+    def _episode_trajectory(self, prompt: PromptLike, group_id: str, e: Episode) -> Trajectory:
+        c = self.counters
+        c.episodes += 1
+        c.turns += e.turns
+        c.tool_calls += e.tool_calls
+        c.tool_errors += e.tool_errors
+        c.episodes_truncated += e.truncated
+        reward = e.reward
+        if not math.isfinite(reward):
+            c.reward_failures += 1
+            logger.warning("%s: environment reward %s for %s is not finite; scored 0",
+                           self.name, reward, prompt.data_source)
+            reward = 0.0
+        return Trajectory(
+            uid=new_uid(), group_id=group_id, prompt_ids=e.prompt_ids,
+            response_ids=e.response_ids, loss_mask=e.loss_mask, logprobs=e.logprobs,
+            versions=e.versions, reward=reward, finish_reason=e.finish_reason,
+            data_source=prompt.data_source, ground_truth=prompt.ground_truth,
+            extra={**prompt.extra, "episode": e.summary(), "env": e.info},
+            metrics=dict(e.seconds),
         )
 
     # -- weight updates -----------------------------------------------------------------------
@@ -434,6 +502,11 @@ class Replica:
             "resumed_requests": float(c.resumed_requests),
             "admission_refused": float(c.admission_refused),
             "loop_errors": float(c.loop_errors),
+            "episodes": float(c.episodes),
+            "turns": float(c.turns),
+            "tool_calls": float(c.tool_calls),
+            "tool_errors": float(c.tool_errors),
+            "episodes_truncated": float(c.episodes_truncated),
             "inflight_groups": float(len(self._groups)),
             "weight_updates": float(c.weight_updates),
             "last_update_s": c.last_update_s,

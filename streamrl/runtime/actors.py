@@ -140,8 +140,15 @@ class ReplicaActor:
         return dict(self.replica.metrics())
 
     async def validate(self) -> dict[str, float]:
-        """Greedy answers to every validation prompt, scored: mean reward and length."""
+        """Greedy answers (or greedy agent episodes) to every validation prompt, scored: mean
+        reward and length."""
         from streamrl.rollout_fleet.engine import SamplingParams
+
+        if self.replica.agent is not None:
+            from streamrl.rollout_fleet.agent import validate_episodes
+
+            return await validate_episodes(self.replica.agent, self.engine, self.val_source,
+                                           tuple(self.cfg.rollout.stop))
 
         params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_new_tokens,
                                 stop=tuple(self.cfg.rollout.stop))

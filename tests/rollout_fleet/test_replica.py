@@ -9,83 +9,22 @@ exactly what the replica admits, puts and gives back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 from typing import Any
 
 import pytest
 import torch
 
-from streamrl.buffer.base import BufferStats, ReplayBuffer
 from streamrl.config import RewardConfig, RolloutConfig
 from streamrl.data import ListPromptSource, Prompt, PromptStream
 from streamrl.data.toy import load_toy_source, toy_reward
 from streamrl.rollout_fleet.replica import Replica
-from streamrl.types import Group
+from tests.support.rollout import ListBuffer, ToyScorer, wait_until
 
 pytestmark = pytest.mark.vllm
 
 pytest.importorskip("vllm")
 
 LONG_PROMPT = [25, 31, 25, 31]  # "7=7=": its greedy continuation runs for hundreds of tokens
-
-
-class ListBuffer(ReplayBuffer):
-    """At most ``capacity`` admissions; put groups land in a list."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.started = 0
-        self.given_back = 0
-        self.groups: list[Group] = []
-        self.version = 0
-
-    def try_admit(self) -> bool:
-        if self.started >= self.capacity:
-            return False
-        self.started += 1
-        return True
-
-    def cancel_admission(self) -> None:
-        self.started -= 1
-        self.given_back += 1
-
-    def put(self, group: Group) -> None:
-        self.groups.append(group)
-
-    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
-        taken, self.groups = self.groups[:n], self.groups[n:]
-        return taken
-
-    def ack(self, group_ids: list[str]) -> None:
-        pass
-
-    def set_version(self, learner_version: int) -> None:
-        self.version = learner_version
-
-    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
-               in_flight: int = 0) -> None:
-        raise NotImplementedError("not used by replicas")
-
-    def stats(self) -> BufferStats:
-        return BufferStats(learner_version=self.version, produced=len(self.groups),
-                           queued=len(self.groups), started=self.started,
-                           in_flight=self.started - len(self.groups))
-
-
-class ToyScorer:
-    """The toy task's reward as a plain coroutine; ``fail_first`` calls raise."""
-
-    def __init__(self, fail_first: int = 0) -> None:
-        self.calls = 0
-        self.fail_first = fail_first
-
-    async def score(self, data_source: str, solution_str: str, ground_truth: str | None,
-                    extra_info: dict[str, Any]) -> float:
-        self.calls += 1
-        if self.calls <= self.fail_first:
-            raise RuntimeError("reward function bug")
-        return toy_reward(extra_info["task"], solution_str, str(ground_truth),
-                          extra_info["max_new_tokens"])
 
 
 class FlakyEngine:
@@ -125,14 +64,6 @@ def long_stream() -> PromptStream:
     return PromptStream(ListPromptSource([prompt], name="long"), shuffle=False, seed=0)
 
 
-async def _until(predicate, timeout: float = 120.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 def test_groups_arrive_whole_with_versions_and_rewards(engine, loop, tokenizer):
     rollout = RolloutConfig(n=4, max_new_tokens=8, max_inflight_groups=4, temperature=1.0)
     buffer = ListBuffer(capacity=6)
@@ -140,7 +71,7 @@ def test_groups_arrive_whole_with_versions_and_rewards(engine, loop, tokenizer):
 
     async def scenario():
         replica.start()
-        await _until(lambda: len(buffer.groups) == 6, what="6 groups")
+        await wait_until(lambda: len(buffer.groups) == 6, what="6 groups")
         await asyncio.sleep(0.1)  # admission is exhausted: the replica must keep waiting
         assert replica.running and len(buffer.groups) == 6
         await replica.stop()
@@ -183,7 +114,7 @@ def test_real_reward_pool_scores_groups(engine, loop, tokenizer):
 
         async def scenario():
             replica.start()
-            await _until(lambda: len(buffer.groups) == 3, what="3 groups")
+            await wait_until(lambda: len(buffer.groups) == 3, what="3 groups")
             await replica.stop()
 
         loop.run_until_complete(scenario())
@@ -204,7 +135,7 @@ def test_failures_are_counted_and_never_stop_the_replica(engine, loop, tokenizer
 
     async def scenario():
         replica.start()
-        await _until(lambda: len(buffer.groups) == 3, what="3 groups after failures")
+        await wait_until(lambda: len(buffer.groups) == 3, what="3 groups after failures")
         await replica.stop()
 
     loop.run_until_complete(scenario())
@@ -222,7 +153,7 @@ def test_stop_with_cancel_gives_admissions_back(engine, loop, tokenizer):
 
     async def scenario():
         replica.start()
-        await _until(lambda: len(replica.request_ids) == 2
+        await wait_until(lambda: len(replica.request_ids) == 2
                      and all(engine.num_tokens(r) > 0 for r in replica.request_ids),
                      what="two requests generating")
         await replica.stop(cancel=True)
@@ -256,12 +187,12 @@ def test_update_policies(engine, loop, tokenizer, base_weights, greedy_reference
 
     async def scenario():
         replica.start()
-        await _until(lambda: len(replica.request_ids) == 2
+        await wait_until(lambda: len(replica.request_ids) == 2
                      and all(engine.num_tokens(r) >= 5 for r in replica.request_ids),
                      what="two requests generating")
         await replica.update_weights(base_weights.items(), new, policy)
         assert engine.version == new
-        await _until(lambda: len(buffer.groups) == 4, what="4 groups")
+        await wait_until(lambda: len(buffer.groups) == 4, what="4 groups")
         await replica.stop()
 
     loop.run_until_complete(scenario())
