@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import pytest
@@ -81,32 +81,6 @@ class Recording(RolloutEngine):
 
     async def load_weights(self, weights, version):
         await self.inner.load_weights(weights, version)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, loop):
-    from streamrl.rollout_fleet import make_engine
-
-    async def build():
-        return make_engine(RolloutConfig(backend="vllm", max_model_len=512), str(tiny_model_dir))
-
-    eng = loop.run_until_complete(build())
-    yield eng
-    loop.run_until_complete(eng.close())
 
 
 @pytest.fixture(scope="module")

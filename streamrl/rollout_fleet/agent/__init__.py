@@ -17,15 +17,12 @@ never talks to an engine or the buffer.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from streamrl.config import RolloutConfig
+from streamrl.plugins import import_file
 from streamrl.rollout_fleet.agent.env import AssistantTurn, Environment, Message, StepResult
 from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
 from streamrl.rollout_fleet.agent.loop import Agent, Episode, Sampler, run_episode
@@ -57,22 +54,7 @@ def load_object(spec: str, key: str) -> Any:
     if not sep or not target or not attr:
         raise ValueError(f"{key}={spec!r}: expected 'package.module:name' or 'file.py:name'")
     if target.endswith(".py"):
-        file = Path(target).expanduser().resolve()
-        if not file.is_file():
-            raise FileNotFoundError(f"{key}={spec!r}: no such file {file}")
-        name = "streamrl_agent_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-        module = sys.modules.get(name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(name, file)
-            if loader_spec is None or loader_spec.loader is None:
-                raise ImportError(f"{key}={spec!r}: cannot be imported as a module")
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module  # registered first, as `import` does, for dataclasses
-            try:
-                loader_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
+        module = import_file(target, f"{key}={spec!r}")
     else:
         module = importlib.import_module(target)
     obj = module
