@@ -6,17 +6,23 @@ generated text (digits always stay single tokens, which the toy tasks rely on), 
 ``Qwen2ForCausalLM`` and saves both with ``save_pretrained``. The result loads offline in
 transformers and in vLLM. Also exposed as ``streamrl data tiny-model --out DIR``.
 
-Also the one Group/Trajectory factory that tests and benchmarks share: ``make_trajectory``,
-``make_group`` (chosen versions) and ``random_groups`` (ragged random tokens).
+Also what tests and benchmarks share: the one Group/Trajectory factory (``make_trajectory``,
+``make_group`` with chosen versions, ``random_groups`` with ragged random tokens) and
+``redis_server`` (a real redis-server on a free loopback port).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
+import shutil
+import subprocess
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +226,37 @@ def random_groups(
             ))
         groups.append(Group(group_id=gid, trajectories=trajs))
     return groups
+
+
+@contextlib.contextmanager
+def redis_server(workdir: str | os.PathLike[str]) -> Iterator[str]:
+    """A real redis-server (append-only, data in ``workdir``) on a free loopback port; yields
+    its URL and shuts it down afterwards."""
+    import redis
+
+    from streamrl.net import free_port
+
+    server = shutil.which("redis-server")
+    if server is None:
+        raise FileNotFoundError("redis-server is not installed: run scripts/setup.sh "
+                                "(apt-get install -y redis-server)")
+    port = free_port()
+    subprocess.run([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "yes", "--dir", str(workdir), "--daemonize", "yes",
+                    "--logfile", f"{workdir}/redis.log"], check=True)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis-server on port {port} did not answer within 10 s "
+                                   f"(log: {workdir}/redis.log)") from None
+            time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
+            client.shutdown(nosave=True)

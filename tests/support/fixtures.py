@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from streamrl.net import free_port
 
 
 @pytest.fixture(scope="session")
@@ -28,28 +23,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real redis-server on a free loopback port, stopped at the end of the session."""
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed: run scripts/setup.sh")
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    subprocess.run(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-         "--dir", str(workdir), "--daemonize", "yes", "--logfile", str(workdir / "redis.log")],
-        check=True,
-    )
-    import redis
+    from streamrl.testing import redis_server
 
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
-        client.shutdown(nosave=True)
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed: run scripts/setup.sh")
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
