@@ -1,4 +1,4 @@
-"""A verl-style custom reward function: `reward=custom reward.custom_path=examples/custom_reward.py`.
+"""A verl-style custom reward: `reward=custom reward.custom_path=examples/custom_reward.py`.
 
 Signature (the same as verl's ``custom_reward_function``):
 ``(data_source, solution_str, ground_truth, extra_info) -> float | dict``. A dict must hold

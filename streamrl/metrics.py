@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from streamrl.types import Group
+from streamrl.types import Group, Trajectory
 
 CONSOLE_KEYS = (
     ("step", "step", "{:d}"),
@@ -48,6 +48,7 @@ def rollout_metrics(groups: Sequence[Group], learner_version: int) -> dict[str, 
     lengths = np.array([len(t.response_ids) for g in groups for t in g.trajectories])
     staleness = np.array([g.staleness(learner_version) for g in groups])
     solved = np.array([max(g.rewards) > min(g.rewards) for g in groups])
+    trajectories = [t for g in groups for t in g.trajectories]
     return {
         "reward/mean": float(rewards.mean()),
         "reward/max": float(rewards.max()),
@@ -56,7 +57,26 @@ def rollout_metrics(groups: Sequence[Group], learner_version: int) -> dict[str, 
         "staleness/mean": float(staleness.mean()),
         "staleness/max": float(staleness.max()),
         "groups/with_signal": float(solved.mean()),
+        **episode_metrics(trajectories),
     }
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Agent episodes: mean turns, tool calls and errors, truncated share, and the mean of each
+    numeric value the environment put in ``info`` (``env/<key>``, over the episodes that
+    report it). Empty for single-turn trajectories."""
+    episodes = [t.extra["episode"] for t in trajectories if "episode" in t.extra]
+    if not episodes:
+        return {}
+    out = {f"episode/{key}": float(np.mean([float(e[key]) for e in episodes]))
+           for key in ("turns", "tool_calls", "tool_errors", "truncated")}
+    values: dict[str, list[float]] = {}
+    for t in trajectories:
+        for key, value in (t.extra.get("env") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values.setdefault(key, []).append(float(value))
+    out.update({f"env/{key}": float(np.mean(v)) for key, v in values.items()})
+    return out
 
 
 class MetricsLogger:

@@ -132,8 +132,8 @@ def test_turns_are_token_in_token_out(engine, loop, tokenizer):
             starts = t.extra["episode"]["turn_starts"]
             assert len(turns) == len(starts) == t.extra["episode"]["turns"] == 2
             assert t.prompt_ids == turns[0][0]
-            assert tokenizer.decode(t.prompt_ids) == (
-                "<|im_start|>user\nready<|im_end|>\n<|im_start|>assistant\n")
+            assert tokenizer.decode(t.prompt_ids) == (  # relay opens with the prompt's digit
+                f"<|im_start|>user\n{t.ground_truth * 8}<|im_end|>\n<|im_start|>assistant\n")
             for k, (prompt, sampled) in enumerate(turns):
                 s = starts[k]
                 # The prompt the engine saw is the episode so far, and what it sampled is
@@ -147,7 +147,10 @@ def test_turns_are_token_in_token_out(engine, loop, tokenizer):
                     "input_ids"] != sampled
             # Between the turns: the observation delta, masked, version -1, log-prob 0.
             obs = t.response_ids[starts[0] + len(turns[0][1]):starts[1]]
-            target = t.ground_truth  # relay's first observation is the prompt's digit
+            env = RelayEnv()  # the observation says the digit turn 1 must repeat
+            env.reset(Prompt(index=group.prompt_index, prompt_ids=[], data_source="",
+                             ground_truth=t.ground_truth, extra={}))
+            target = str(env.targets[1])
             expected = renderer.observation([{"role": "user", "content": target * 8}],
                                             turns[0][1])
             assert obs == expected and tokenizer.decode(obs).endswith(

@@ -209,16 +209,27 @@ def test_relay_targets_come_from_observations_and_score_per_turn():
     prompt = Prompt(index=3, prompt_ids=[1], data_source="toy/rep", ground_truth="7", extra={})
     env = RelayEnv()
     assert (env.turns, env.turn_tokens, env.repeat) == (2, 4, 8)
-    assert env.reset(prompt) == [{"role": "user", "content": "ready"}]  # no digit yet
-    # Turn 0 is not scored; the observation brings the digit the next turn must repeat.
-    obs, reward, done, info = env.step(_turn("7777"))
-    assert obs == [{"role": "user", "content": "77777777"}] and not done and reward == 0.0
-    obs, reward, done, info = env.step(_turn("77x7", index=1, last=True))
-    assert obs is None and done and reward == 0.75 and info == {"cross_reward": 0.0}
+    assert env.reset(prompt) == [{"role": "user", "content": "77777777"}]  # the prompt's digit
+    # Turn 0 repeats the opening; the observation brings a new digit turn 1 must repeat.
+    obs, reward, done, info = env.step(_turn("77x7"))
+    assert reward == 0.75 / 2 and not done
+    new = env.targets[1]
+    assert new != 7 and obs == [{"role": "user", "content": str(new) * 8}]
+    obs, reward, done, info = env.step(_turn(str(new) * 4, index=1, last=True))
+    assert obs is None and done and reward == 0.5
+    assert info["observation_reward"] == 1.0
+    assert info["observation_cross_reward"] == pytest.approx(0.1)  # its digits earn the credit
+    # Repeating the old digit after the observation earns only the digit credit (0.1 each).
     env.reset(prompt)
     env.step(_turn("7777"))
-    _, reward, _, info = env.step(_turn("8888", index=1))  # the next prompt's digit
-    assert reward == 0.0 and info == {"cross_reward": 1.0}
+    _, reward, _, info = env.step(_turn("7777", index=1))
+    assert reward == pytest.approx(0.1 / 2) and info["observation_reward"] == pytest.approx(0.1)
+    # The next prompt's digit scores the cross rewards instead.
+    env.reset(prompt)
+    env.step(_turn("xxxx"))
+    _, _, _, info = env.step(_turn(str((new + 1) % 10) * 4, index=1))
+    assert info == {"cross_reward": 0.5, "observation_reward": pytest.approx(0.1),
+                    "observation_cross_reward": 1.0}
 
     class Longer(RelayEnv):
         turns = 4
@@ -229,8 +240,9 @@ def test_relay_targets_come_from_observations_and_score_per_turn():
     again.reset(prompt)
     assert again.targets == env.targets  # the n episodes of one prompt see the same digits
     assert env.targets[0] == 7 and all(a != b for a, b in zip(env.targets, env.targets[1:]))
-    said = [env.step(_turn(str(env.targets[k - 1]) * 4 if k else "", index=k)) for k in range(4)]
-    assert [s.observation[0]["content"] for s in said[:3]] == [str(d) * 8 for d in env.targets]
+    said = [env.step(_turn(str(env.targets[k]) * 4, index=k)) for k in range(4)]
+    assert [s.observation[0]["content"] for s in said[:3]] == [
+        str(d) * 8 for d in env.targets[1:]]
     assert sum(s.reward for s in said) == pytest.approx(1.0) and said[-1].done
     with pytest.raises(ValueError, match=r"task\.source=toy"):
         RelayEnv().reset(Prompt(index=0, prompt_ids=[1], data_source="x", ground_truth="42",
