@@ -56,9 +56,10 @@ def _buffer_stats(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print("streamrl serve: not built yet (the OpenAI-compatible rollout service is an open "
-          "issue); use streamrl train", file=sys.stderr)
-    return 2
+    from streamrl.config import load_config
+    from streamrl.serve import run_serve
+
+    return run_serve(load_config(args.overrides))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key=value config overrides")
     train.set_defaults(func=_train)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible rollout service for agentic episodes")
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible rollout service that trains on its clients' episodes")
     serve.add_argument("overrides", nargs="*")
     serve.set_defaults(func=_serve)
 

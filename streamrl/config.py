@@ -262,6 +262,32 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """``streamrl serve``: the OpenAI-compatible rollout service (streamrl/serve)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """Bearer token every route but /healthz requires (or env STREAMRL_API_KEY); needed to bind
+    anything but a loopback address."""
+    train: bool = True
+    """Run the learner in the service's runtime (memory buffer); with buffer=redis a separate
+    ``streamrl train rollout.num_replicas=0`` trains on the same buffer.run instead."""
+    model_name: str | None = None
+    """Name /v1/models reports and requests may use (None: the model directory's name)."""
+    max_tokens: int = 1024
+    """Largest max_tokens a request may ask for (also capped by rollout.max_model_len)."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    episode_ttl_s: float = 900.0
+    """An episode idle this long without being closed expires (admission given back)."""
+    group_timeout_s: float = 300.0
+    """A group still missing episodes this long after its first close goes to the buffer as is."""
+    retry_after_s: int = 1
+    """Retry-After of a 429 at the staleness bound."""
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path="tiny"))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -275,6 +301,7 @@ class Config:
     weight_bus: WeightBusConfig = field(default_factory=WeightBusConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def use_critic(self) -> bool:
@@ -335,20 +362,25 @@ def validate(cfg: Config) -> Config:
         _check_choice("trainer.logger", sink, ("console", "jsonl", "wandb"))
 
     _check_positive(cfg, [
-        "rollout.n", "rollout.max_new_tokens", "rollout.num_replicas",
-        "rollout.max_inflight_groups", "rollout.max_model_len", "task.train_batch_size",
+        "rollout.n", "rollout.max_new_tokens", "rollout.max_inflight_groups",
+        "rollout.max_model_len", "task.train_batch_size",
         "task.max_prompt_length", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size",
         "actor.ppo_max_token_len", "actor.ppo_epochs", "actor.optim.lr", "learner.world_size",
         "weight_bus.bucket_mb", "weight_bus.timeout_s", "weight_bus.sync_every",
         "trainer.total_steps", "rollout.temperature", "reward.timeout_s", "reward.num_workers",
-        "buffer.take_timeout_s",
+        "buffer.take_timeout_s", "serve.max_tokens", "serve.max_body_bytes",
+        "serve.episode_ttl_s", "serve.group_timeout_s", "serve.shutdown_timeout_s",
     ])
     _check_positive(cfg, [
         "buffer.max_staleness", "trainer.test_freq", "trainer.save_freq", "trainer.total_epochs",
         "actor.entropy_coeff", "actor.kl_loss_coef", "actor.grad_clip", "actor.clip_ratio",
         "actor.optim.warmup_steps", "actor.optim.weight_decay", "rollout.max_retries",
-        "algorithm.kl_coef", "trainer.max_to_keep",
+        "algorithm.kl_coef", "trainer.max_to_keep", "rollout.num_replicas", "serve.port",
+        "serve.retry_after_s",
     ], allow_zero=True)
+    if cfg.rollout.num_replicas == 0 and cfg.buffer.backend != "redis":
+        _fail("rollout.num_replicas", 0, "needs buffer=redis: a trainer without replicas trains "
+              "on the episodes another process (streamrl serve) puts in the shared buffer")
 
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         _fail("rollout.top_p", cfg.rollout.top_p, "must be in (0, 1]")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +24,11 @@ from streamrl.batch import Batch
 from streamrl.config import Config
 from streamrl.learner.checkpoint import find_latest
 from streamrl.metrics import MetricsLogger, Timer, rollout_metrics
-from streamrl.runtime import Runtime, build_runtime
+from streamrl.runtime import LearnerGroup, Runtime, WeightBus, build_runtime
+from streamrl.types import Group
 
 log = logging.getLogger(__name__)
+TAKE_SLICE_S = 1.0
 
 
 @dataclass
@@ -65,9 +68,17 @@ def logprob_mismatch(batch: Batch) -> float:
 class Controller:
     """Drives ``total_steps`` PPO/GRPO updates over a started runtime."""
 
-    def __init__(self, cfg: Config, runtime: Runtime) -> None:
+    def __init__(self, cfg: Config, runtime: Runtime, *, patient: bool = False) -> None:
+        """``patient``: groups come from ``streamrl serve`` clients, who may be idle for long;
+        an empty buffer is then logged every ``buffer.take_timeout_s`` instead of failing."""
+        if runtime.learner is None or runtime.weight_bus is None:
+            raise ValueError("Controller: the runtime was built without learners")
         self.cfg = cfg
         self.rt = runtime
+        self.patient = patient
+        self._stop = threading.Event()
+        self.learner: LearnerGroup = runtime.learner
+        self.weight_bus: WeightBus = runtime.weight_bus
         self.kl_ctrl = algos.get_kl_controller(
             cfg.algorithm.kl_ctrl_type, cfg.algorithm.kl_coef, cfg.algorithm.target_kl,
             cfg.algorithm.horizon,
@@ -90,17 +101,19 @@ class Controller:
                 timer = Timer()
                 start = time.perf_counter()
                 with timer("take"):
-                    groups = rt.buffer.take(groups_per_step, version, cfg.buffer.take_timeout_s)
+                    groups = self._take(groups_per_step, version)
+                if groups is None:  # stop() was called
+                    break
                 batch = Batch.from_groups(groups, rt.pad_token_id)
                 with timer("prepare"):
-                    batch = rt.learner.prepare(batch)
+                    batch = self.learner.prepare(batch)
                 batch = with_advantages(batch, cfg, self.kl_ctrl)
                 with timer("update"):
-                    metrics = rt.learner.update(batch)
+                    metrics = self.learner.update(batch)
                 version += 1
                 if version % cfg.weight_bus.sync_every == 0:
                     with timer("publish"):
-                        metrics.update(rt.weight_bus.publish(version))
+                        metrics.update(self.weight_bus.publish(version))
                 rt.buffer.set_version(version)
                 self._consume([g.group_id for g in groups])
                 metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
@@ -121,6 +134,27 @@ class Controller:
             rt.fleet.stop()
             logger.close()
         return result
+
+    def stop(self) -> None:
+        """Make ``fit`` return after the current step (called from another thread)."""
+        self._stop.set()
+
+    def _take(self, n: int, version: int) -> list[Group] | None:
+        """``buffer.take`` in short slices, so ``stop`` is seen while waiting."""
+        timeout = self.cfg.buffer.take_timeout_s
+        since = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                return self.rt.buffer.take(n, version, min(TAKE_SLICE_S, timeout))
+            except TimeoutError as exc:
+                if time.monotonic() - since < timeout:
+                    continue
+                if not self.patient:
+                    raise TimeoutError(f"no {n} groups within buffer.take_timeout_s={timeout}: "
+                                       f"{exc}; are the replicas producing?") from None
+                log.warning("waiting for episodes from streamrl serve clients: %s", exc)
+                since = time.monotonic()
+        return None
 
     @property
     def total_steps(self) -> int:
@@ -154,7 +188,7 @@ class Controller:
             "trained_group_ids": self.unacked,
             "fleet": self.rt.fleet.state(),
         }
-        path = self.rt.learner.save_checkpoint(version, extra)
+        path = self.learner.save_checkpoint(version, extra)
         self.rt.buffer.ack(self.unacked)
         self.unacked = []
         return path
@@ -170,12 +204,12 @@ class Controller:
         if path is None:
             self.rt.buffer.set_version(0)
             return 0
-        extra = self.rt.learner.load_checkpoint(str(path))
-        version = int(self.rt.learner.version)
+        extra = self.learner.load_checkpoint(str(path))
+        version = int(self.learner.version)
         self.consumed = int(extra.get("consumed", 0))
         self.rt.buffer.rebase(version, self.consumed, skip_ids=extra.get("trained_group_ids", []))
         self.rt.fleet.load_state(extra.get("fleet", {}))
-        self.rt.weight_bus.publish(version)
+        self.weight_bus.publish(version)
         log.info("resumed from %s at step %d", path, version)
         return version
 
@@ -184,4 +218,5 @@ def run_training(cfg: Config) -> TrainResult:
     """``streamrl train``: build the runtime the config describes and run the loop."""
     torch.manual_seed(cfg.trainer.seed)
     with build_runtime(cfg) as runtime:
-        return Controller(cfg, runtime).fit()
+        # Without replicas of its own the trainer learns from a streamrl serve process.
+        return Controller(cfg, runtime, patient=cfg.rollout.num_replicas == 0).fit()

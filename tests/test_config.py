@@ -178,6 +178,8 @@ def test_bad_mode_names_value() -> None:
     ({"actor.policy_loss": "decoupled", "actor.tis_cap": 2.0}, r"already weights"),
     ({"learner.world_size": 3}, r"must be divisible by learner.world_size=3"),
     ({"trainer.logger": ("console", "tensorboard")}, r"trainer.logger='tensorboard'"),
+    ({"rollout.num_replicas": 0}, r"rollout.num_replicas=0: needs buffer=redis"),
+    ({"serve.max_tokens": 0}, r"serve.max_tokens=0: must be > 0"),
 ])
 def test_validate_names_key_and_value(changes: dict, pattern: str) -> None:
     cfg = replace(Config(), **changes)

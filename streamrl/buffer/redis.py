@@ -11,6 +11,7 @@ Keys of run ``<run>``::
     streamrl:<run>:stats   hash: learner_version produced consumed queued started in_flight
                            dropped malformed staleness_mean staleness_max staleness_sum
                            staleness_count groups_per_step max_staleness last_update_ts
+                           bus_endpoint (the trainer's weight-bus endpoint, for streamrl serve)
     streamrl:<run>:dead    stream, malformed entries (source_id, reason, original fields)
     streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
     streamrl:<run>:queued  set, entry ids put and not yet taken (queued = SCARD)
@@ -350,6 +351,16 @@ class RedisBuffer(ReplayBuffer):
             staleness_max=int(h.get("staleness_max", 0)),
             last_update_ts=float(h.get("last_update_ts", 0.0)),
         )
+
+    def announce_bus(self, endpoint: str) -> None:
+        """Record the trainer's weight-bus endpoint: a ``streamrl serve`` process sharing this
+        run connects its replicas to it (and reconnects when a restarted trainer announces a
+        new one)."""
+        self._r.hset(self.keys.stats, "bus_endpoint", endpoint)
+
+    def bus_endpoint(self) -> str | None:
+        value = self._r.hget(self.keys.stats, "bus_endpoint")
+        return _s(value) if value is not None else None
 
     def purge(self) -> None:
         """Delete every key of this run (tests, benchmarks, starting a run name afresh)."""

@@ -13,7 +13,7 @@ policy makes later tokens of the same request carry the new version).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,10 @@ class Completion:
     """stop | length | abort"""
 
 
+TokenSink = Callable[[list[int]], None]
+"""Called with newly sampled token ids of a streamed request, in order."""
+
+
 class RolloutEngine(abc.ABC):
     """An inference engine serving one policy version at a time."""
 
@@ -54,6 +58,18 @@ class RolloutEngine(abc.ABC):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> list[Completion]:
         """Sample ``params.n`` completions of ``prompt_ids`` with behaviour log-probs."""
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink,
+    ) -> list[Completion]:
+        """``generate`` one sample (``params.n == 1``), also passing its sampled ids to
+        ``on_tokens`` as they arrive. This default reports them all at the end; engines that
+        stream (vLLM) override it."""
+        completions = await self.generate(prompt_ids, params, request_id)
+        if completions[0].token_ids:
+            on_tokens(list(completions[0].token_ids))
+        return completions
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

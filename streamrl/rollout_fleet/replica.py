@@ -57,7 +57,7 @@ import torch
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import UPDATE_POLICIES, RolloutConfig
 from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
-from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
 from streamrl.types import Group, Trajectory, new_uid
 
 logger = logging.getLogger(__name__)
@@ -314,20 +314,44 @@ class Replica:
     async def _sample_turn(self, prompt_ids: list[int], max_tokens: int, request_id: str
                            ) -> Completion:
         """One agent turn: a single sample through the retry / abort-resume machinery."""
-        params = dataclasses.replace(self.params, n=1, max_tokens=max_tokens)
-        (c,) = await self._sample_with_retries(prompt_ids, params, request_id, request_id)
+        return await self.sample_one(
+            prompt_ids, dataclasses.replace(self.params, max_tokens=max_tokens), request_id)
+
+    async def sample_one(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink | None = None,
+    ) -> Completion:
+        """One sample of ``prompt_ids`` through the replica's request machinery: retried on
+        failure, resumed after an abort-policy update, exact per-token versions. With
+        ``on_tokens`` (``streamrl serve`` streaming) sampled ids are also reported as they
+        arrive, and a request that fails after reporting some is not retried."""
+        params = dataclasses.replace(params, n=1)
+        reported = False
+
+        def report(ids: list[int]) -> None:
+            nonlocal reported
+            reported = True
+            if on_tokens is not None:
+                on_tokens(ids)
+
+        sink = report if on_tokens is not None else None
+        (c,) = await self._sample_with_retries(prompt_ids, params, request_id, request_id, sink,
+                                               lambda: reported)
         return c
 
     async def _sample_with_retries(
-        self, prompt_ids: list[int], params: SamplingParams, key: str, what: str
+        self, prompt_ids: list[int], params: SamplingParams, key: str, what: str,
+        on_tokens: TokenSink | None = None, reported: Any = lambda: False,
     ) -> list[Completion]:
         last: Exception | None = None
         for attempt in range(self.rollout.max_retries + 1):
             try:
-                return await self._sample(prompt_ids, params, f"{key}-{attempt}")
+                return await self._sample(prompt_ids, params, f"{key}-{attempt}", on_tokens)
             except _Cancelled:
                 raise
             except Exception as exc:
+                if reported():  # a stream's client already has tokens: a retry would repeat
+                    raise
                 self.counters.request_failures += 1
                 last = exc
                 logger.warning("%s: request %s-%d failed (%s: %s)", self.name, key, attempt,
@@ -337,27 +361,32 @@ class Replica:
                            f"times for {what}") from last
 
     async def _sample(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink | None = None,
     ) -> list[Completion]:
-        completions = await self._request(prompt_ids, params, request_id)
+        completions = await self._request(prompt_ids, params, request_id, on_tokens)
         return list(await asyncio.gather(*(
-            self._resume_if_aborted(prompt_ids, c, params, f"{request_id}-{i}")
+            self._resume_if_aborted(prompt_ids, c, params, f"{request_id}-{i}", on_tokens)
             for i, c in enumerate(completions))))
 
     async def _request(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink | None = None,
     ) -> list[Completion]:
         await self._gate.wait()
         if self._cancelling:
             raise _Cancelled
         self._requests.add(request_id)
         try:
+            if on_tokens is not None:
+                return await self.engine.stream(prompt_ids, params, request_id, on_tokens)
             return await self.engine.generate(prompt_ids, params, request_id)
         finally:
             self._requests.discard(request_id)
 
     async def _resume_if_aborted(
-        self, prompt_ids: list[int], done: Completion, params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], done: Completion, params: SamplingParams, request_id: str,
+        on_tokens: TokenSink | None = None,
     ) -> Completion:
         """Continue a response an abort-policy update interrupted, keeping its partial tokens."""
         empty_aborts = 0
@@ -373,7 +402,8 @@ class Replica:
             self.counters.resumed_requests += 1
             (rest,) = await self._request(
                 prompt_ids + done.token_ids,
-                dataclasses.replace(params, n=1, max_tokens=remaining), f"{request_id}-r{part}")
+                dataclasses.replace(params, n=1, max_tokens=remaining), f"{request_id}-r{part}",
+                on_tokens)
             # An engine that keeps aborting without progress must not loop forever.
             empty_aborts = empty_aborts + 1 if not rest.token_ids else 0
             if empty_aborts > self.rollout.max_retries:

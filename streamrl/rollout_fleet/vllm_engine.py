@@ -51,7 +51,12 @@ from typing import Any
 import torch
 
 from streamrl.config import RolloutConfig
-from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+from streamrl.rollout_fleet.engine import (
+    Completion,
+    RolloutEngine,
+    SamplingParams,
+    TokenSink,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +257,20 @@ class VLLMEngine(RolloutEngine):
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> list[Completion]:
+        return await self._generate(prompt_ids, params, request_id, None)
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink,
+    ) -> list[Completion]:
+        if params.n != 1:
+            raise ValueError(f"stream({request_id}): n={params.n}; streams one sample")
+        return await self._generate(prompt_ids, params, request_id, on_tokens)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+        on_tokens: TokenSink | None,
+    ) -> list[Completion]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -281,6 +300,8 @@ class VLLMEngine(RolloutEngine):
                 version = self._version  # stamped on arrival; exact spans come at the end
                 for delta in out.outputs:
                     self._absorb(streams[delta.index], delta, version, request_id)
+                    if on_tokens is not None and delta.token_ids:
+                        on_tokens(list(delta.token_ids))
         finally:
             del self._live[request_id]
         completions = [self._completion(s, request_id) for s in streams]

@@ -39,7 +39,16 @@ ACTOR_SHUTDOWN_TIMEOUT_S = 30
 
 
 @contextmanager
-def build_runtime(cfg: Config) -> Iterator[Runtime]:
+def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
+                  ) -> Iterator[Runtime]:
+    """Place and wire the workers ``cfg`` describes.
+
+    ``learners=False``: no learner ranks (a ``streamrl serve`` process that only serves; with
+    ``buffer=redis`` its replicas follow the bus endpoint a trainer announces in the buffer).
+    ``serving=True``: replicas answer requests (``streamrl serve``) instead of running their
+    own prompt loops. ``rollout.num_replicas=0``: a trainer fed by another process's replicas;
+    with ``buffer=redis`` it announces its bus endpoint there.
+    """
     from transformers import AutoTokenizer
 
     from streamrl.data import make_prompt_source
@@ -53,8 +62,8 @@ def build_runtime(cfg: Config) -> Iterator[Runtime]:
     actors: list[Any] = []
     pgs: list[PlacementGroup] = []
     try:
-        train_pg, rollout_pg = reserve_pools(cfg)
-        pgs = list({id(p): p for p in (train_pg, rollout_pg)}.values())
+        train_pg, rollout_pg = reserve_pools(cfg, learners=learners)
+        pgs = list({id(p): p for p in (train_pg, rollout_pg) if p is not None}.values())
         buffer: ReplayBuffer
         if cfg.buffer.backend == "memory":
             # One queue for every process: the memory backend lives in an actor.
@@ -64,29 +73,38 @@ def build_runtime(cfg: Config) -> Iterator[Runtime]:
         else:
             buffer = make_buffer(cfg)  # every process connects to the same Redis run
 
-        learner_port = free_port()
-        learners = [
-            ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
-                scheduling_strategy=in_bundle(train_pg, rank),
-            ).remote(cfg, rank, cfg.learner.world_size, "127.0.0.1", learner_port)
-            for rank in range(cfg.learner.world_size)
-        ]
-        actors.extend(learners)
-        endpoint = ray.get(learners[0].bus_endpoint.remote())
+        learner_group: LearnerGroup | None = None
+        endpoint: str | None = None
+        if learners:
+            assert train_pg is not None
+            learner_port = free_port()
+            ranks = [
+                ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
+                    scheduling_strategy=in_bundle(train_pg, rank),
+                ).remote(cfg, rank, cfg.learner.world_size, "127.0.0.1", learner_port)
+                for rank in range(cfg.learner.world_size)
+            ]
+            actors.extend(ranks)
+            learner_group = LearnerGroup(ranks)
+            endpoint = ray.get(ranks[0].bus_endpoint.remote())
+            announce = getattr(buffer, "announce_bus", None)
+            if announce is not None:  # Redis: how a separate streamrl serve finds the bus
+                announce(endpoint)
         replicas = [
             ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
-                scheduling_strategy=in_bundle(rollout_pg, i), max_concurrency=64,
+                scheduling_strategy=in_bundle(rollout_pg, i), max_concurrency=1024,
             ).remote(cfg, i, buffer, endpoint)
             for i in range(cfg.rollout.num_replicas)
-        ]
+        ] if rollout_pg is not None else []
         actors.extend(replicas)
         ray.get([r.setup.remote() for r in replicas])
-        ray.get(learners[0].wait_for_receivers.remote(len(replicas)))
-        learner = LearnerGroup(learners)
+        if learner_group is not None and replicas:
+            ray.get(learner_group.actors[0].wait_for_receivers.remote(len(replicas)))
         yield Runtime(
-            buffer=buffer, learner=learner, weight_bus=WeightBus(learner),
-            fleet=Fleet(replicas), pad_token_id=int(tokenizer.pad_token_id),
-            num_train_prompts=num_train_prompts,
+            buffer=buffer, learner=learner_group,
+            weight_bus=WeightBus(learner_group) if learner_group is not None else None,
+            fleet=Fleet(replicas, loops=not serving), pad_token_id=int(tokenizer.pad_token_id),
+            num_train_prompts=num_train_prompts, tokenizer=tokenizer, model_path=model_path,
         )
     finally:
         for actor in reversed(actors):

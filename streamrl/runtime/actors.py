@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from streamrl.buffer.base import ReplayBuffer
@@ -105,7 +106,6 @@ class ReplicaActor:
         from streamrl.rollout_fleet import make_engine
         from streamrl.rollout_fleet.replica import Replica
         from streamrl.rollout_fleet.rewards import make_reward_scorer
-        from streamrl.weight_bus import make_receiver
 
         cfg = self.cfg
         if cfg.runtime.pin_cpus:
@@ -119,15 +119,51 @@ class ReplicaActor:
         self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}")
         if self.bus_endpoint is not None:
-            policy = cfg.weight_bus.update_policy
+            await self.connect_bus(self.bus_endpoint)
 
-            async def sink(weights: Any, version: int) -> None:
-                await self.replica.update_weights(weights, version, policy)
+    async def connect_bus(self, endpoint: str) -> None:
+        """Receive weights from the publisher at ``endpoint``, leaving any earlier one (a
+        ``streamrl serve`` replica follows a restarted trainer's new endpoint)."""
+        from streamrl.weight_bus import make_receiver
 
-            self.receiver = make_receiver(
-                cfg.weight_bus, endpoint=self.bus_endpoint, sink=sink, engine=self.engine,
-                receiver_id=f"replica-{self.index}", loop=asyncio.get_running_loop(),
-            )
+        if self.receiver is not None:
+            self.receiver.close()
+        policy = self.cfg.weight_bus.update_policy
+
+        async def sink(weights: Any, version: int) -> None:
+            await self.replica.update_weights(weights, version, policy)
+
+        self.bus_endpoint = endpoint
+        self.receiver = make_receiver(
+            self.cfg.weight_bus, endpoint=endpoint, sink=sink, engine=self.engine,
+            receiver_id=f"replica-{self.index}", loop=asyncio.get_running_loop(),
+        )
+
+    async def sample(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        """One sample for ``streamrl serve`` through the replica's request machinery."""
+        return await self.replica.sample_one(prompt_ids, params, request_id)
+
+    async def sample_stream(self, prompt_ids: list[int], params: Any, request_id: str
+                            ) -> AsyncIterator[Any]:
+        """``sample`` as a Ray streaming generator: lists of new token ids as they arrive,
+        then the finished Completion (exact versions)."""
+        queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        task = asyncio.ensure_future(
+            self.replica.sample_one(prompt_ids, params, request_id, queue.put_nowait))
+        try:
+            while not task.done() or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            yield task.result()
+        finally:
+            task.cancel()  # the client went away: vLLM aborts a cancelled request
+
+    async def version(self) -> int:
+        return int(self.engine.version)
 
     async def start(self) -> None:
         self.replica.start()

@@ -64,18 +64,24 @@ class WeightBus:
 
 
 class Fleet:
-    """The rollout replicas, each a Ray actor running its continuous loop."""
+    """The rollout replicas, each a Ray actor running its continuous loop, or, in
+    ``streamrl serve`` (``loops=False``), answering the service's requests instead."""
 
-    def __init__(self, replicas: list[Any]) -> None:
+    def __init__(self, replicas: list[Any], loops: bool = True) -> None:
         self.replicas = replicas
+        self.loops = loops
 
     def start(self) -> None:
-        ray.get([r.start.remote() for r in self.replicas])
+        if self.loops:
+            ray.get([r.start.remote() for r in self.replicas])
 
     def stop(self) -> None:
-        ray.get([r.stop.remote() for r in self.replicas])
+        if self.loops:
+            ray.get([r.stop.remote() for r in self.replicas])
 
     def validate(self) -> dict[str, float]:
+        if not self.replicas:
+            return {}
         results = ray.get([r.validate.remote() for r in self.replicas[:1]])
         return dict(results[0])
 
@@ -104,8 +110,11 @@ AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "last_update_s"})
 @dataclass
 class Runtime:
     buffer: ReplayBuffer
-    learner: LearnerGroup
-    weight_bus: WeightBus
+    learner: LearnerGroup | None
+    """None in a ``streamrl serve`` process that only serves."""
+    weight_bus: WeightBus | None
     fleet: Fleet
     pad_token_id: int
     num_train_prompts: int
+    tokenizer: Any
+    model_path: str

@@ -45,18 +45,24 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
-def reserve_pools(cfg: Config) -> tuple[PlacementGroup, PlacementGroup]:
-    """(train pool, rollout pool); the same group twice when colocated."""
-    world, replicas = cfg.learner.world_size, cfg.rollout.num_replicas
-    if cfg.runtime.placement == "colocated":
+def reserve_pools(cfg: Config, *, learners: bool = True
+                  ) -> tuple[PlacementGroup | None, PlacementGroup | None]:
+    """(train pool, rollout pool); the same group twice when colocated, None for a pool with
+    nothing to place (no learners in a serve-only process, no replicas in a trainer fed by
+    ``streamrl serve``)."""
+    world = cfg.learner.world_size if learners else 0
+    replicas = cfg.rollout.num_replicas
+    if cfg.runtime.placement == "colocated" and world and replicas:
         bundle = {"CPU": cfg.runtime.cpus_per_learner + cfg.runtime.cpus_per_replica}
         pg = placement_group([bundle] * max(world, replicas), strategy="PACK")
         ray.get(pg.ready(), timeout=POOL_READY_TIMEOUT_S)
         return pg, pg
-    train = placement_group([{"CPU": cfg.runtime.cpus_per_learner}] * world, strategy="PACK")
+    train = placement_group([{"CPU": cfg.runtime.cpus_per_learner}] * world,
+                            strategy="PACK") if world else None
     rollout = placement_group([{"CPU": cfg.runtime.cpus_per_replica}] * replicas,
-                              strategy="PACK")
-    ray.get([train.ready(), rollout.ready()], timeout=POOL_READY_TIMEOUT_S)
+                              strategy="PACK") if replicas else None
+    ray.get([pg.ready() for pg in (train, rollout) if pg is not None],
+            timeout=POOL_READY_TIMEOUT_S)
     return train, rollout
 
 

@@ -1,0 +1,141 @@
+"""An agent written against the plain OpenAI API, trained by pointing it at ``streamrl serve``.
+
+Nothing here is streamrl-specific except the service's conventions: each call names its episode
+(``X-Episode-Id``) and the group of episodes it belongs to (``X-Group-Id``: the n episodes of
+one task, which GRPO compares and which share one admission slot), and
+``POST /v1/episodes/{id}/reward`` closes an episode with its reward. The rest is an ordinary
+multi-turn tool-using agent loop with the official ``openai`` client.
+
+The task is the ``relay`` game (the environment says a digit, the agent must repeat the digit of
+its latest message), so the tiny model learns it within minutes on CPU; the agent also offers a
+tool, ``double(number)``, and runs whatever calls the model makes (a random tiny model makes
+none; a real model will). Start the service, then the agent:
+
+    .venv/bin/streamrl serve trainer.total_steps=40 actor.optim.lr=3e-3 \
+        task.train_batch_size=16 actor.ppo_mini_batch_size=4 rollout.max_new_tokens=4 &
+    .venv/bin/python examples/openai_agent.py --episodes 6000
+
+It prints one JSON line per ``--report-every`` episodes (mean reward of the window, the
+observation-turn reward and its collapse baseline) and a summary line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import uuid
+from typing import Any
+
+import httpx
+import openai
+
+from streamrl.data import Prompt
+from streamrl.rollout_fleet.agent import AssistantTurn
+from streamrl.rollout_fleet.agent.envs.relay import RelayEnv
+
+TOOLS = [{"type": "function", "function": {
+    "name": "double", "description": "Double a number.",
+    "parameters": {"type": "object", "properties": {"number": {"type": "integer"}},
+                   "required": ["number"]}}}]
+
+
+def double(number: int) -> int:
+    return 2 * number
+
+
+def run_tool(call: Any) -> str:
+    try:
+        args = json.loads(call.function.arguments)
+        if call.function.name != "double":
+            return f"Error: no tool {call.function.name!r}"
+        return str(double(int(args["number"])))
+    except Exception as exc:  # a bad call is the model's mistake: tell it, keep going
+        return f"Error: {exc}"
+
+
+async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, env: RelayEnv,
+                  task: Prompt, group_id: str, group_size: int, max_tokens: int
+                  ) -> dict[str, Any]:
+    """One episode: talk until the environment is done, then close it with its reward."""
+    episode_id = uuid.uuid4().hex
+    messages: list[Any] = list(env.reset(task))
+    reward, info, turn = 0.0, {}, 0
+    while True:
+        answer = await client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, max_tokens=max_tokens,
+            extra_headers={"X-Episode-Id": episode_id, "X-Group-Id": group_id})
+        message = answer.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if message.tool_calls:  # run the calls; the model continues with their results
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": run_tool(c)}
+                         for c in message.tool_calls]
+            continue
+        text = message.content or ""
+        step = env.step(AssistantTurn(index=turn, text=text, content=text, token_ids=[],
+                                      finish_reason=answer.choices[0].finish_reason,
+                                      last=turn + 1 >= env.turns))
+        reward += step.reward
+        info = step.info
+        turn += 1
+        if step.done or not step.observation:
+            break
+        messages += step.observation
+    closed = await http.post(f"/v1/episodes/{episode_id}/reward", json={
+        "reward": reward, "group_id": group_id, "group_size": group_size})
+    closed.raise_for_status()
+    return {"reward": reward, **info}
+
+
+async def main(args: argparse.Namespace) -> dict[str, float]:
+    headers = {"Authorization": f"Bearer {args.api_key}"}
+    # 429 at the staleness bound is back-pressure: the client waits Retry-After and retries.
+    client = openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key,
+                                max_retries=args.max_retries, timeout=120)
+    rng = random.Random(args.seed)
+    windows: list[dict[str, float]] = []
+    window: list[dict[str, Any]] = []
+    slots = asyncio.Semaphore(args.concurrency)
+
+    async def one(http: httpx.AsyncClient, task: Prompt, group_id: str) -> None:
+        async with slots:
+            window.append(await episode(client, http, RelayEnv(), task, group_id,
+                                        args.group_size, args.max_tokens))
+        if len(window) >= args.report_every:
+            done = window[:]
+            window.clear()
+            means = {k: sum(float(e[k]) for e in done) / len(done) for k in (
+                "reward", "observation_reward", "observation_cross_reward")}
+            windows.append(means)
+            print(json.dumps({"episodes": len(windows) * args.report_every, **means}),
+                  flush=True)
+
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=120) as http:
+        tasks = []
+        for i in range(args.episodes // args.group_size):
+            task = Prompt(index=i, prompt_ids=[], data_source="relay",
+                          ground_truth=str(rng.randrange(10)), extra={})
+            group_id = uuid.uuid4().hex
+            tasks += [asyncio.ensure_future(one(http, task, group_id))
+                      for _ in range(args.group_size)]
+        await asyncio.gather(*tasks)
+    summary = {"first": windows[0]["reward"], "last": windows[-1]["reward"],
+               "last_observation": windows[-1]["observation_reward"],
+               "last_cross": windows[-1]["observation_cross_reward"]} if windows else {}
+    print(json.dumps({"summary": summary}), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--api-key", default="none")
+    parser.add_argument("--episodes", type=int, default=2048)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--report-every", type=int, default=256)
+    parser.add_argument("--max-retries", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,145 @@
+"""The HTTP face of ``streamrl serve`` (FastAPI; uvicorn runs it).
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming with
+``"stream": true``: server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
+``POST /v1/episodes/{id}/reward``, ``GET /healthz`` (no token needed), ``GET /metrics``
+(Prometheus text).
+
+Status codes: 400 for a malformed body, a wrong field, an oversized body or ``max_tokens`` over
+the limit (one line naming the field); 401 without the bearer token when one is configured;
+404 / 409 for an unknown or busy episode; 429 with ``Retry-After`` when opening an episode would
+pass the staleness bound; 503 while shutting down. Bodies are JSON decoded by msgspec into
+typed structs: nothing is ever unpickled.
+
+Depends on service.py, protocol.py and episodes.py (errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from streamrl.serve import protocol
+from streamrl.serve.episodes import AtCapacity, EpisodeError
+from streamrl.serve.protocol import ChatRequest, CompletionRequest, RequestError, RewardRequest
+from streamrl.serve.service import Service
+
+log = logging.getLogger(__name__)
+
+EPISODE_HEADER = "x-episode-id"
+GROUP_HEADER = "x-group-id"
+OPEN_ROUTES = frozenset({"/healthz"})
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None
+           ) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, kind, status), status_code=status,
+                        headers=headers)
+
+
+def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
+               retry_after_s: int, learner_version: Callable[[], Awaitable[int | None]]
+               ) -> FastAPI:
+    app = FastAPI(title="streamrl serve", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if expected is not None and request.url.path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return _error(401, "missing or wrong bearer token (Authorization: Bearer ...)",
+                              "authentication_error")
+        if request.method == "POST":
+            if not service.accepting:
+                return _error(503, "the service is shutting down", "unavailable")
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+                return _error(400, f"body: {declared} bytes is over serve.max_body_bytes="
+                              f"{max_body_bytes}", "invalid_request_error")
+        return await call_next(request)
+
+    async def body_of(request: Request) -> bytes:
+        body = await request.body()
+        if len(body) > max_body_bytes:  # chunked bodies declare no length
+            raise RequestError(f"body: {len(body)} bytes is over serve.max_body_bytes="
+                               f"{max_body_bytes}")
+        return body
+
+    def episode_of(request: Request, user: str | None) -> str | None:
+        return request.headers.get(EPISODE_HEADER) or user or None
+
+    async def answer(run: Callable[[], Awaitable[Any]]) -> Response:
+        try:
+            result = await run()
+        except RequestError as exc:
+            service.metrics.errors.labels("400").inc()
+            return _error(400, str(exc), "invalid_request_error")
+        except EpisodeError as exc:
+            service.metrics.errors.labels(str(exc.status)).inc()
+            return _error(exc.status, str(exc), "invalid_request_error")
+        except AtCapacity:
+            service.metrics.errors.labels("429").inc()
+            service.metrics.at_capacity.inc()
+            return _error(429, "at the staleness bound: no episode may open until the trainer "
+                          "consumes more; retry later", "rate_limit_error",
+                          {"Retry-After": str(retry_after_s)})
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(_sse(result), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        async def run() -> Any:
+            body = protocol.decode_request(await body_of(request), ChatRequest)
+            return await service.chat(body, episode_of(request, body.user),
+                                      request.headers.get(GROUP_HEADER))
+        return await answer(run)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        async def run() -> Any:
+            body = protocol.decode_request(await body_of(request), CompletionRequest)
+            return await service.completion(body, episode_of(request, body.user),
+                                            request.headers.get(GROUP_HEADER))
+        return await answer(run)
+
+    @app.post("/v1/episodes/{episode_id}/reward")
+    async def reward(episode_id: str, request: Request) -> Response:
+        async def run() -> Any:
+            body = protocol.decode_request(await body_of(request), RewardRequest)
+            return await asyncio.to_thread(service.close, episode_id, body)
+        return await answer(run)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(service.models())
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return JSONResponse({"status": "ok" if service.accepting else "shutting_down",
+                             "weight_version": service.version})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = service.metrics_text(await learner_version())
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+    except Exception as exc:  # headers are sent: report in-band, as OpenAI servers do
+        log.exception("stream failed")
+        yield f"data: {json.dumps(protocol.error_body(str(exc), 'server_error', 500))}\n\n".encode()
+    yield b"data: [DONE]\n\n"

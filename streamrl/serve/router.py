@@ -1,0 +1,110 @@
+"""Which replica answers a call: sticky per episode, least loaded for a new one.
+
+An episode's calls go to the replica that served its first call, so the engine's prefix cache
+holds the episode's tokens; a new episode goes to the replica with the fewest calls in flight.
+A replica that fails a call is skipped for new episodes for ``cooldown_s``.
+
+Backends: ``ActorBackend`` (a replica Ray actor of the runtime: ``sample`` and the streaming
+``sample_stream``) and ``LocalBackend`` (a ``Replica`` in this process, for tests and
+embedding). Depends on engine.py (SamplingParams, Completion, TokenSink).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+from streamrl.rollout_fleet.engine import Completion, SamplingParams, TokenSink
+
+STICKY_EPISODES = 100_000
+"""Episode -> replica entries kept (least recently used dropped first)."""
+
+
+class Backend(Protocol):
+    name: str
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     on_tokens: TokenSink | None = None) -> Completion: ...
+
+    async def version(self) -> int: ...
+
+
+class ActorBackend:
+    """A replica Ray actor (``runtime.actors.ReplicaActor``)."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor = actor
+        self.name = name
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     on_tokens: TokenSink | None = None) -> Completion:
+        if on_tokens is None:
+            return await self.actor.sample.remote(prompt_ids, params, request_id)
+        stream = self.actor.sample_stream.options(num_returns="streaming").remote(
+            prompt_ids, params, request_id)
+        async for ref in stream:
+            item = await ref
+            if isinstance(item, Completion):
+                return item
+            on_tokens(item)
+        raise RuntimeError(f"{self.name}: stream for {request_id} ended without a completion")
+
+    async def version(self) -> int:
+        return int(await self.actor.version.remote())
+
+
+class LocalBackend:
+    """A ``Replica`` running on this process's event loop."""
+
+    def __init__(self, replica: Any, name: str = "local") -> None:
+        self.replica = replica
+        self.name = name
+
+    async def sample(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     on_tokens: TokenSink | None = None) -> Completion:
+        return await self.replica.sample_one(prompt_ids, params, request_id, on_tokens)
+
+    async def version(self) -> int:
+        return int(self.replica.engine.version)
+
+
+class Router:
+    def __init__(self, backends: list[Backend], cooldown_s: float = 5.0) -> None:
+        if not backends:
+            raise ValueError("Router: needs at least one backend (rollout.num_replicas >= 1)")
+        self.backends = backends
+        self.cooldown_s = cooldown_s
+        self.inflight = [0] * len(backends)
+        self.failed_at = [-float("inf")] * len(backends)
+        self.sticky: OrderedDict[str, int] = OrderedDict()
+
+    def pick(self, episode_id: str) -> int:
+        index = self.sticky.get(episode_id)
+        now = time.monotonic()
+        if index is None or now - self.failed_at[index] < self.cooldown_s:
+            healthy = [i for i in range(len(self.backends))
+                       if now - self.failed_at[i] >= self.cooldown_s] or list(
+                           range(len(self.backends)))
+            index = min(healthy, key=lambda i: self.inflight[i])
+        self.sticky[episode_id] = index
+        self.sticky.move_to_end(episode_id)
+        while len(self.sticky) > STICKY_EPISODES:
+            self.sticky.popitem(last=False)
+        return index
+
+    async def sample(self, episode_id: str, prompt_ids: list[int], params: SamplingParams,
+                     request_id: str, on_tokens: TokenSink | None = None) -> Completion:
+        index = self.pick(episode_id)
+        self.inflight[index] += 1
+        try:
+            return await self.backends[index].sample(prompt_ids, params, request_id, on_tokens)
+        except Exception:
+            self.failed_at[index] = time.monotonic()
+            raise
+        finally:
+            self.inflight[index] -= 1
+
+    async def version(self) -> int:
+        """The newest weight version any replica serves."""
+        return max([await b.version() for b in self.backends])

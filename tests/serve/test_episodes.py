@@ -1,0 +1,245 @@
+"""EpisodeStore: exact token records across calls, segments, groups, admission, expiry.
+
+Real parts: the tiny model's tokenizer and chat template, the memory buffer; completions are
+built by hand (what an engine returned), so every id can be checked exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from streamrl.buffer.memory import MemoryBuffer
+from streamrl.rollout_fleet.agent.render import ChatRenderer
+from streamrl.rollout_fleet.engine import Completion
+from streamrl.serve.episodes import AtCapacity, EpisodeError, EpisodeStore, canonical
+from streamrl.types import OBSERVATION_VERSION
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def make_store(tokenizer, groups_per_step: int = 4, eta: int = 0, clock=None):
+    buffer = MemoryBuffer(groups_per_step, eta)
+    store = EpisodeStore(buffer, ChatRenderer(tokenizer), ttl_s=60, group_timeout_s=30,
+                         clock=clock or Clock())
+    return store, buffer
+
+
+def sampled(tokenizer, text: str, version: int) -> Completion:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Completion(ids, [-0.25] * len(ids), [version] * len(ids), "stop")
+
+
+USER = {"role": "user", "content": "what is 2 + 3"}
+
+
+def test_continued_calls_reuse_recorded_tokens_exactly(tokenizer):
+    store, buffer = make_store(tokenizer, eta=1)  # the episode spans versions 3 and 4
+    renderer = ChatRenderer(tokenizer)
+    first = store.begin_chat("e1", [USER], None)
+    assert first.prompt_ids == renderer.prompt([USER])
+    c1 = sampled(tokenizer, "<think>add</think> the sum is 5", version=3)
+    reply = {"role": "assistant", "content": "the sum is 5", "refusal": None}
+    store.commit(first, c1, reply)
+
+    # The client sends the conversation back (as the openai client does) plus a new message.
+    tool = {"role": "user", "content": "and times 2"}
+    second = store.begin_chat("e1", [USER, reply, tool], None)
+    delta = renderer.observation([tool], c1.token_ids)
+    assert second.prompt_ids == first.prompt_ids + c1.token_ids + delta  # nothing re-encoded
+    c2 = sampled(tokenizer, "10", version=4)
+    store.commit(second, c2, {"role": "assistant", "content": "10"})
+
+    store.close("e1", reward=1.0)
+    (group,) = buffer.take(1, learner_version=4)
+    (t,) = group.trajectories
+    assert t.prompt_ids == first.prompt_ids
+    assert t.response_ids == c1.token_ids + delta + c2.token_ids
+    assert t.loss_mask == [1] * len(c1.token_ids) + [0] * len(delta) + [1] * len(c2.token_ids)
+    assert t.versions == ([3] * len(c1.token_ids) + [OBSERVATION_VERSION] * len(delta)
+                          + [4] * len(c2.token_ids))
+    assert t.logprobs == [-0.25] * len(c1.token_ids) + [0.0] * len(delta) + [-0.25] * len(
+        c2.token_ids)
+    assert t.reward == 1.0 and t.extra["episode"] == {"id": "e1", "segment": 0, "turns": 2}
+    assert store.counters.segments_rewritten == 0
+
+
+def test_rewritten_history_starts_a_counted_segment(tokenizer):
+    store, buffer = make_store(tokenizer)
+    call = store.begin_chat("e", [USER], None)
+    store.commit(call, sampled(tokenizer, "5", 1), {"role": "assistant", "content": "5"})
+    # The client edits the assistant's answer: the recorded tokens no longer match the text.
+    edited = [USER, {"role": "assistant", "content": "6"}, {"role": "user", "content": "ok"}]
+    again = store.begin_chat("e", edited, None)
+    assert again.prompt_ids == ChatRenderer(tokenizer).prompt(edited)
+    assert store.counters.segments_rewritten == 1
+    store.commit(again, sampled(tokenizer, "7", 1), {"role": "assistant", "content": "7"})
+    # A retried call (the same messages as before the last answer) is a rewrite too.
+    store.begin_chat("e", edited, None).segment.busy = False
+    assert store.counters.segments_rewritten == 2
+    summary = store.close("e", reward=0.5)
+    assert summary["trajectories"] == 2  # both sampled segments are kept, same reward
+    (group,) = buffer.take(1, learner_version=1)
+    assert [t.extra["episode"]["segment"] for t in group.trajectories] == [0, 1]
+    assert {t.reward for t in group.trajectories} == {0.5}
+
+
+def test_other_tools_or_a_trailing_assistant_message_do_not_continue(tokenizer):
+    store, _ = make_store(tokenizer)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    call = store.begin_chat("e", [USER], tools)
+    store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
+    history = [USER, {"role": "assistant", "content": "5"}]
+    store.begin_chat("e", [*history, {"role": "user", "content": "x"}], None).segment.busy = False
+    assert store.counters.segments_rewritten == 1
+    call = store.begin_chat("e", [USER], tools)
+    store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
+    store.begin_chat("e", [*history, {"role": "assistant", "content": "prefill"}], tools)
+    assert store.counters.segments_rewritten == 3
+
+
+def test_canonical_ignores_fields_the_template_does_not_render():
+    ours = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+    echoed = {"role": "assistant", "content": "", "refusal": None, "audio": None,
+              "tool_calls": [{"id": "call_1", "type": "function",
+                              "function": {"name": "add", "arguments": '{"b": 2, "a": 1}'}}]}
+    assert canonical(ours) == canonical(echoed)
+    assert canonical({**echoed, "content": "x"}) != canonical(ours)
+
+
+def test_groups_close_when_complete_and_give_back_extra_slots(tokenizer):
+    store, buffer = make_store(tokenizer, groups_per_step=4, eta=0)
+    for i in range(3):
+        call = store.begin_chat(f"e{i}", [USER], None)
+        store.commit(call, sampled(tokenizer, str(i), 0), {"role": "assistant", "content": "x"})
+    assert buffer.stats().started == 3  # one admission slot per open episode
+    assert not store.close("e0", 0.0, group_id="g", group_size=3)["group_complete"]
+    assert not store.close("e1", 1.0, group_id="g")["group_complete"]
+    assert buffer.stats().queued == 0
+    assert store.close("e2", 2.0, group_id="g")["group_complete"]
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1  # the group holds one slot, as any group
+    (group,) = buffer.take(1, learner_version=0)
+    assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0, 2.0]
+    assert {t.extra["group"] for t in group.trajectories} == {"g"}
+    with pytest.raises(EpisodeError, match="not open"):
+        store.close("e0", 1.0)
+
+
+def test_close_checks_its_input(tokenizer):
+    store, _ = make_store(tokenizer)
+    call = store.begin_chat("e", [USER], None)
+    with pytest.raises(EpisodeError, match="still running") as busy:
+        store.close("e", 1.0)
+    assert busy.value.status == 409
+    store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
+    with pytest.raises(EpisodeError, match=r"turn_rewards: has 2 values, .* has 1 calls"):
+        store.close("e", 1.0, turn_rewards=[0.1, 0.2])
+    with pytest.raises(EpisodeError, match="group_size"):
+        store.close("e", 1.0, group_id="g", group_size=0)
+    assert store.open_episodes == 1  # nothing lost by a refused close
+    store.close("e", 1.0, turn_rewards=[0.25])
+    (group,) = store.buffer.take(1, learner_version=0)
+    (t,) = group.trajectories
+    assert t.reward == 1.25 and t.token_rewards is not None
+    assert t.token_rewards[-1] == 1.25 and sum(t.token_rewards) == 1.25
+
+
+def test_admission_bound_refuses_new_episodes_but_not_open_ones(tokenizer):
+    store, buffer = make_store(tokenizer, groups_per_step=2, eta=0)  # 2 slots at version 0
+    calls = [store.begin_chat(f"e{i}", [USER], None) for i in range(2)]
+    with pytest.raises(AtCapacity):
+        store.begin_chat("e2", [USER], None)
+    assert store.counters.admission_refused == 1
+    for call in calls:
+        store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
+    # An open episode continues at the bound: it already holds its slot.
+    more = [USER, {"role": "assistant", "content": "1"}, {"role": "user", "content": "go"}]
+    store.abandon(store.begin_chat("e0", more, None))
+    for i in range(2):
+        store.close(f"e{i}", 1.0)
+    buffer.take(2, learner_version=0)
+    buffer.set_version(1)  # the learner moved on: two more slots
+    store.begin_chat("e2", [USER], None)
+
+
+def test_idle_episodes_expire_and_late_groups_are_put(tokenizer):
+    clock = Clock()
+    store, buffer = make_store(tokenizer, clock=clock)
+    for i in range(2):
+        call = store.begin_chat(f"e{i}", [USER], None)
+        store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
+    store.close("e0", 1.0, group_id="g", group_size=2)
+    clock.now = 31.0  # past the group timeout, within the episode TTL
+    store.expire()
+    assert buffer.stats().queued == 1 and store.counters.groups_timed_out == 1
+    assert store.open_episodes == 1
+    clock.now = 100.0
+    store.expire()
+    assert store.open_episodes == 0 and store.counters.episodes_expired == 1
+    assert buffer.stats().started == 1  # the expired episode gave its slot back
+
+
+def test_flush_puts_closed_groups_and_frees_open_episodes(tokenizer):
+    store, buffer = make_store(tokenizer)
+    for i in range(3):
+        call = store.begin_chat(f"e{i}", [USER], None)
+        store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
+    store.close("e0", 1.0, group_id="g", group_size=2)
+    store.flush()
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1
+    assert store.counters.episodes_dropped == 2
+
+
+def test_token_prompts_continue_when_they_extend_the_record(tokenizer):
+    store, buffer = make_store(tokenizer)
+    first = store.begin_tokens("c", [5, 6, 7])
+    store.commit(first, Completion([8, 9], [-1.0, -1.0], [2, 2], "stop"), None)
+    second = store.begin_tokens("c", [5, 6, 7, 8, 9, 10, 11])
+    assert second.delta == [10, 11]
+    store.commit(second, Completion([12], [-1.0], [2], "length"), None)
+    store.close("c", 0.0)
+    (group,) = buffer.take(1, learner_version=2)
+    (t,) = group.trajectories
+    assert t.prompt_ids == [5, 6, 7] and t.response_ids == [8, 9, 10, 11, 12]
+    assert t.loss_mask == [1, 1, 0, 0, 1]
+
+
+def test_a_declared_group_shares_one_admission_slot(tokenizer):
+    clock = Clock()
+    store, buffer = make_store(tokenizer, groups_per_step=1, eta=0, clock=clock)  # one slot
+    calls = [store.begin_chat(f"e{i}", [USER], None, group_id="g") for i in range(3)]
+    assert buffer.stats().started == 1  # three episodes, one group, one slot
+    with pytest.raises(AtCapacity):
+        store.begin_chat("other", [USER], None)
+    for call in calls[1:]:
+        store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
+    # The slot's first holder goes idle and expires: the slot passes to an open sibling.
+    store.abandon(calls[0])
+    clock.now = 61.0
+    store.episodes["e1"].last_used = store.episodes["e2"].last_used = 60.0
+    store.expire()
+    assert store.counters.episodes_expired == 1 and buffer.stats().started == 1
+    with pytest.raises(EpisodeError, match="opened in group 'g'"):
+        store.close("e1", 1.0, group_id="h")
+    assert not store.close("e1", 1.0, group_size=2)["group_complete"]  # the header's group
+    assert buffer.stats().queued == 0  # the slot is still with e2
+    assert store.close("e2", 0.0)["group_complete"]
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1
+    (group,) = buffer.take(1, learner_version=0)
+    assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
