@@ -82,10 +82,23 @@ async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, env: Rela
         if step.done or not step.observation:
             break
         messages += step.observation
-    closed = await http.post(f"/v1/episodes/{episode_id}/reward", json={
-        "reward": reward, "group_id": group_id, "group_size": group_size})
-    closed.raise_for_status()
+    await close(http, episode_id, {"reward": reward, "group_id": group_id,
+                                    "group_size": group_size})
     return {"reward": reward, **info}
+
+
+async def close(http: httpx.AsyncClient, episode_id: str, body: dict[str, Any]) -> None:
+    """Report the reward; a service restarted meanwhile has forgotten the episode (404)."""
+    for attempt in range(30):
+        try:
+            closed = await http.post(f"/v1/episodes/{episode_id}/reward", json=body)
+        except httpx.TransportError:  # the service is restarting: try again shortly
+            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+            continue
+        if closed.status_code != 404:
+            closed.raise_for_status()
+        return
+    raise RuntimeError(f"could not report the reward of episode {episode_id}")
 
 
 async def main(args: argparse.Namespace) -> dict[str, float]:

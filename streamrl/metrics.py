@@ -68,8 +68,11 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     episodes = [t.extra["episode"] for t in trajectories if "episode" in t.extra]
     if not episodes:
         return {}
-    out = {f"episode/{key}": float(np.mean([float(e[key]) for e in episodes]))
-           for key in ("turns", "tool_calls", "tool_errors", "truncated")}
+    out: dict[str, float] = {}
+    for key in ("turns", "tool_calls", "tool_errors", "truncated"):
+        present = [float(e[key]) for e in episodes if key in e]  # serve records fewer keys
+        if present:
+            out[f"episode/{key}"] = float(np.mean(present))
     values: dict[str, list[float]] = {}
     for t in trajectories:
         for key, value in (t.extra.get("env") or {}).items():

@@ -48,7 +48,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -341,7 +341,7 @@ class Replica:
 
     async def _sample_with_retries(
         self, prompt_ids: list[int], params: SamplingParams, key: str, what: str,
-        on_tokens: TokenSink | None = None, reported: Any = lambda: False,
+        on_tokens: TokenSink | None = None, reported: Callable[[], bool] = lambda: False,
     ) -> list[Completion]:
         last: Exception | None = None
         for attempt in range(self.rollout.max_retries + 1):

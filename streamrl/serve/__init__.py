@@ -32,7 +32,9 @@ import contextlib
 import ipaddress
 import logging
 import os
+import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,7 @@ def run_serve(cfg: Config) -> int:
     from streamrl.serve.service import Service
 
     api_key = api_key_of(cfg)
+    _Server = _server_class()
     if cfg.rollout.num_replicas < 1:
         raise ConfigError("rollout.num_replicas=0: streamrl serve needs at least one replica")
     train = cfg.serve.train
@@ -96,7 +99,7 @@ def run_serve(cfg: Config) -> int:
 
         app = create_app(service, api_key=api_key, max_body_bytes=cfg.serve.max_body_bytes,
                          retry_after_s=cfg.serve.retry_after_s, learner_version=learner_version)
-        server = uvicorn.Server(uvicorn.Config(
+        server = _Server(uvicorn.Config(
             app, host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
             timeout_graceful_shutdown=int(cfg.serve.shutdown_timeout_s)))
 
@@ -128,6 +131,27 @@ def run_serve(cfg: Config) -> int:
                 controller.stop()
                 trainer.join(timeout=cfg.serve.shutdown_timeout_s + cfg.buffer.take_timeout_s)
     return 0
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would end the process
+        before the episodes are flushed and the trainer stopped; here the signal only starts
+        the graceful shutdown, and ``streamrl serve`` exits 0 once it is done."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            handled = (signal.SIGINT, signal.SIGTERM)
+            originals = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def _train(controller: Any) -> None:

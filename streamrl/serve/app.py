@@ -16,7 +16,6 @@ Depends on service.py, protocol.py and episodes.py (errors).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -91,6 +90,10 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
             return _error(429, "at the staleness bound: no episode may open until the trainer "
                           "consumes more; retry later", "rate_limit_error",
                           {"Retry-After": str(retry_after_s)})
+        except Exception as exc:  # a replica or the buffer failed: say so, keep serving
+            log.exception("call failed")
+            service.metrics.errors.labels("500").inc()
+            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(_sse(result), media_type="text/event-stream")
@@ -115,7 +118,7 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
     async def reward(episode_id: str, request: Request) -> Response:
         async def run() -> Any:
             body = protocol.decode_request(await body_of(request), RewardRequest)
-            return await asyncio.to_thread(service.close, episode_id, body)
+            return service.close(episode_id, body)  # on the loop: the store is not thread-safe
         return await answer(run)
 
     @app.get("/v1/models")

@@ -273,3 +273,33 @@ def test_tool_calls_round_trip_and_continue_the_episode(tiny_model_dir, tokenize
         delta = renderer.observation(messages[2:], sampled)
         assert t.response_ids[:len(sampled) + len(delta)] == sampled + delta
         assert tokenizer.decode(delta).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.redis
+def test_a_closed_episode_lands_in_redis(tiny_model_dir, tokenizer, redis_url):
+    import redis
+
+    from streamrl.buffer import make_buffer
+    from streamrl.types import Group, decode
+
+    cfg = config(tiny_model_dir, "buffer=redis", f"buffer.redis_url={redis_url}",
+                 "buffer.run=serve-close")
+    buffer = make_buffer(cfg)
+    buffer.purge()
+    buffer = make_buffer(cfg)
+    with ServeHarness(cfg, buffer, tokenizer, lambda: Scripted(tokenizer, ["hello"])) as h:
+        c = openai.OpenAI(base_url=f"{h.base_url}/v1", api_key="none", max_retries=0)
+        answer = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-Episode-Id": "r-1", "X-Group-Id": "task-7"},
+            extra_body={"return_token_ids": True})
+        ids = answer.choices[0].model_extra["token_ids"]
+        assert httpx.post(f"{h.base_url}/v1/episodes/r-1/reward",
+                          json={"reward": 0.5, "group_size": 1}).status_code == 200
+    r = redis.Redis.from_url(redis_url)
+    ((_, fields),) = r.xrange("streamrl:serve-close:groups")
+    group = decode(fields[b"data"], Group)
+    (t,) = group.trajectories
+    assert t.response_ids == ids and t.reward == 0.5 and t.extra["group"] == "task-7"
+    stats = r.hgetall("streamrl:serve-close:stats")
+    assert int(stats[b"produced"]) == 1 and int(stats[b"started"]) == 1
