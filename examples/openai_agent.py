@@ -11,9 +11,12 @@ its latest message), so the tiny model learns it within minutes on CPU; the agen
 tool, ``double(number)``, and runs whatever calls the model makes (a random tiny model makes
 none; a real model will). Start the service, then the agent:
 
-    .venv/bin/streamrl serve trainer.total_steps=40 actor.optim.lr=3e-3 \
-        task.train_batch_size=16 actor.ppo_mini_batch_size=4 rollout.max_new_tokens=4 &
-    .venv/bin/python examples/openai_agent.py --episodes 6000
+    .venv/bin/streamrl serve trainer.mode=one_step_off actor.optim.lr=3e-3 \
+        task.train_batch_size=16 actor.ppo_mini_batch_size=4 &
+    .venv/bin/python examples/openai_agent.py --episodes 4096 --no-tools
+
+Measured that way on 2 cores (tests/test_e2e_serve.py): reward 0.01 -> 0.62 over 5120 episodes,
+observation turns 0.64 against a collapse baseline of 0.11, in under 5 minutes.
 
 It prints one JSON line per ``--report-every`` episodes (mean reward of the window, the
 observation-turn reward and its collapse baseline) and a summary line at the end.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import uuid
@@ -56,15 +60,15 @@ def run_tool(call: Any) -> str:
 
 
 async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, env: RelayEnv,
-                  task: Prompt, group_id: str, group_size: int, max_tokens: int
-                  ) -> dict[str, Any]:
+                  task: Prompt, group_id: str, group_size: int, max_tokens: int,
+                  tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     """One episode: talk until the environment is done, then close it with its reward."""
     episode_id = uuid.uuid4().hex
     messages: list[Any] = list(env.reset(task))
     reward, info, turn = 0.0, {}, 0
     while True:
         answer = await client.chat.completions.create(
-            model="tiny", messages=messages, tools=TOOLS, max_tokens=max_tokens,
+            model="tiny", messages=messages, tools=tools, max_tokens=max_tokens,
             extra_headers={"X-Episode-Id": episode_id, "X-Group-Id": group_id})
         message = answer.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -107,32 +111,36 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     client = openai.AsyncOpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key,
                                 max_retries=args.max_retries, timeout=120)
     rng = random.Random(args.seed)
+    tasks = itertools.count()
     windows: list[dict[str, float]] = []
     window: list[dict[str, Any]] = []
-    slots = asyncio.Semaphore(args.concurrency)
 
-    async def one(http: httpx.AsyncClient, task: Prompt, group_id: str) -> None:
-        async with slots:
-            window.append(await episode(client, http, RelayEnv(), task, group_id,
-                                        args.group_size, args.max_tokens))
+    def record(result: dict[str, Any]) -> None:
+        window.append(result)
         if len(window) >= args.report_every:
-            done = window[:]
-            window.clear()
-            means = {k: sum(float(e[k]) for e in done) / len(done) for k in (
+            means = {k: sum(float(e[k]) for e in window) / len(window) for k in (
                 "reward", "observation_reward", "observation_cross_reward")}
+            window.clear()
             windows.append(means)
             print(json.dumps({"episodes": len(windows) * args.report_every, **means}),
                   flush=True)
 
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=120) as http:
-        tasks = []
-        for i in range(args.episodes // args.group_size):
-            task = Prompt(index=i, prompt_ids=[], data_source="relay",
+    async def worker(http: httpx.AsyncClient) -> None:
+        """Runs one task at a time: its group of episodes together, as GRPO wants them."""
+        while (index := next(tasks)) < args.episodes // args.group_size:
+            task = Prompt(index=index, prompt_ids=[], data_source="relay",
                           ground_truth=str(rng.randrange(10)), extra={})
             group_id = uuid.uuid4().hex
-            tasks += [asyncio.ensure_future(one(http, task, group_id))
-                      for _ in range(args.group_size)]
-        await asyncio.gather(*tasks)
+            results = await asyncio.gather(*(
+                episode(client, http, RelayEnv(), task, group_id, args.group_size,
+                        args.max_tokens, None if args.no_tools else TOOLS)
+                for _ in range(args.group_size)))
+            for result in results:
+                record(result)
+
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=120) as http:
+        workers = max(1, args.concurrency // args.group_size)
+        await asyncio.gather(*(worker(http) for _ in range(workers)))
     summary = {"first": windows[0]["reward"], "last": windows[-1]["reward"],
                "last_observation": windows[-1]["observation_reward"],
                "last_cross": windows[-1]["observation_cross_reward"]} if windows else {}
@@ -146,9 +154,13 @@ if __name__ == "__main__":
     parser.add_argument("--api-key", default="none")
     parser.add_argument("--episodes", type=int, default=2048)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="episodes in flight (whole groups of --group-size)")
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--report-every", type=int, default=256)
     parser.add_argument("--max-retries", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    # The tiny model's 320-token vocabulary spells the tool schema out in ~200 tokens, eight
+    # times the game itself: without it the tiny model trains several times faster.
+    parser.add_argument("--no-tools", action="store_true", help="offer the model no tool")
     asyncio.run(main(parser.parse_args()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -136,7 +137,9 @@ class ReplicaActor:
         self.bus_endpoint = endpoint
         self.receiver = make_receiver(
             self.cfg.weight_bus, endpoint=endpoint, sink=sink, engine=self.engine,
-            receiver_id=f"replica-{self.index}", loop=asyncio.get_running_loop(),
+            # Unique per process: a restarted replica must not pass for the one that died.
+            receiver_id=f"replica-{self.index}-{uuid.uuid4().hex[:8]}",
+            loop=asyncio.get_running_loop(),
         )
 
     async def sample(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:

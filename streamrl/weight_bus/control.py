@@ -275,6 +275,11 @@ class ControlServer:
             out, self.joiners = self.joiners, []
             return out
 
+    def requeue_joiners(self, ids: list[str] | tuple[str, ...]) -> None:
+        """Joiners a failed catch-up did not serve: tried again (the dead drop out as such)."""
+        with self.cond:
+            self.joiners.extend(ids)
+
     def loaded_versions(self) -> dict[str, int]:
         with self.cond:
             return {p.receiver_id: p.loaded_version for p in self.peers.values() if not p.gone}

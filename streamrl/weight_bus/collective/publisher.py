@@ -40,6 +40,7 @@ from streamrl.weight_bus.control import Announce, ControlServer
 from streamrl.weight_bus.groups import GroupSpec, WeightGroup, join_group
 
 log = logging.getLogger(__name__)
+CATCH_UP_RETRY_S = 2.0
 
 
 class _Dead(WeightBusError):
@@ -292,6 +293,8 @@ class CollectivePublisher(WeightPublisher):
                 continue
             with self._lock:
                 self._catch_up()
+            if self.control.joiners:  # a failed catch-up requeued them: back off first
+                self._closed.wait(CATCH_UP_RETRY_S)
 
     def _catch_up(self) -> None:
         """Serve the receivers that joined behind the latest version (under ``_lock``)."""
@@ -310,8 +313,11 @@ class CollectivePublisher(WeightPublisher):
             self._send_cached(behind)
             log.info("weight bus: sent version %d to late joiners %s", self._version, behind)
         except (WeightBusError, RuntimeError) as exc:
-            log.error("weight bus: catch-up of %s failed: %s", behind, exc)
+            log.error("weight bus: catch-up of %s failed: %s; retrying in %.0f s", behind, exc,
+                      CATCH_UP_RETRY_S)
             self._drop_group(f"catch-up failed: {exc}")
+            # A joiner left behind would sample with stale weights forever: try again.
+            self.control.requeue_joiners(behind)
 
 
 def _recorded(buckets: Iterator[Bucket], specs: list[BucketSpec],
