@@ -173,14 +173,14 @@ class EpisodeStore:
     # -- calls --------------------------------------------------------------------------------
 
     def begin_chat(self, episode_id: str, messages: Sequence[dict[str, Any]],
-                   tools: Sequence[dict[str, Any]] | None, group_id: str | None = None
-                   ) -> Call:
+                   tools: Sequence[dict[str, Any]] | None, group_id: str | None = None,
+                   slot: bool = False) -> Call:
         """Plan a chat call: continue the episode's segment or start one (see module doc)."""
         if not messages:
             raise EpisodeError("messages: must hold at least one message")
         canon = [canonical(m) for m in messages]
         tools_key = json.dumps(list(tools or []), sort_keys=True, default=str)
-        episode = self._episode(episode_id, group_id)
+        episode = self._episode(episode_id, group_id, slot)
         seg = episode.segments[-1] if episode.segments else None
         if seg is not None and self._continues(seg, canon, tools_key, messages):
             new = list(messages[len(seg.messages):])
@@ -189,12 +189,12 @@ class EpisodeStore:
         ids = self.renderer.prompt(list(messages), list(tools) if tools else None)
         return self._new_segment(episode, Segment(ids, [], tools_key), canon)
 
-    def begin_tokens(self, episode_id: str, prompt_ids: list[int], group_id: str | None = None
-                     ) -> Call:
+    def begin_tokens(self, episode_id: str, prompt_ids: list[int], group_id: str | None = None,
+                     slot: bool = False) -> Call:
         """Plan a completions call: token ids that extend the segment's ids continue it."""
         if not prompt_ids:
             raise EpisodeError("prompt: is empty")
-        episode = self._episode(episode_id, group_id)
+        episode = self._episode(episode_id, group_id, slot)
         seg = episode.segments[-1] if episode.segments else None
         if seg is not None and not seg.busy and seg.last_turn:
             done = seg.ids
@@ -311,14 +311,23 @@ class EpisodeStore:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _episode(self, episode_id: str, group_id: str | None) -> Episode:
+    def wants_slot(self, episode_id: str, group_id: str | None) -> bool:
+        """Whether a call would open an episode that needs an admission slot of its own (the
+        service takes it off the event loop first and passes ``slot=True``)."""
+        return episode_id not in self.episodes and self._slot_owner(group_id) is None
+
+    def _episode(self, episode_id: str, group_id: str | None, slot: bool) -> Episode:
+        """The open episode, opening it if new. ``slot``: the caller already took an admission
+        slot for it (given back if, meanwhile, it is not needed any more)."""
         episode = self.episodes.get(episode_id)
+        needed = episode is None and self._slot_owner(group_id) is None
+        if slot and not needed:
+            self._give_back(1)
         if episode is None:
-            owner = self._slot_owner(group_id)
-            if owner is None and not self.buffer.try_admit():
+            if needed and not slot and not self.buffer.try_admit():
                 self.counters.admission_refused += 1
                 raise AtCapacity(episode_id)
-            episode = self.episodes[episode_id] = Episode(episode_id, group_id, owner is None)
+            episode = self.episodes[episode_id] = Episode(episode_id, group_id, needed)
             self.counters.episodes_opened += 1
         elif group_id not in (None, episode.declared_group):
             raise EpisodeError(f"group id {group_id!r}: episode {episode_id!r} opened in group "

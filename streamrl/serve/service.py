@@ -29,7 +29,7 @@ from streamrl.config import Config
 from streamrl.rollout_fleet.agent.parsers import get_parser
 from streamrl.rollout_fleet.engine import Completion, SamplingParams
 from streamrl.serve import protocol
-from streamrl.serve.episodes import Call, EpisodeStore
+from streamrl.serve.episodes import AtCapacity, Call, EpisodeStore
 from streamrl.serve.protocol import ChatRequest, CompletionRequest, RequestError
 from streamrl.serve.router import Router
 from streamrl.types import new_uid
@@ -123,6 +123,16 @@ class Service:
                                f"max_model_len={self.cfg.rollout.max_model_len} leaves no room")
         return min(asked or limit, room)
 
+    async def _admit(self, episode_id: str, group_id: str | None) -> bool:
+        """Take the admission slot a new episode needs, off the event loop (the buffer call is
+        a blocking round trip that would stall every call in flight); AtCapacity if refused."""
+        if not self.store.wants_slot(episode_id, group_id):
+            return False
+        if not await asyncio.to_thread(self.store.buffer.try_admit):
+            self.store.counters.admission_refused += 1
+            raise AtCapacity(episode_id)
+        return True
+
     async def _sample(self, episode_id: str | None, call: Call | None, prompt_ids: list[int],
                       params: SamplingParams, on_tokens: Any = None) -> Answer:
         key = episode_id or new_uid()
@@ -175,7 +185,8 @@ class Service:
             call = None
             prompt_ids = self.renderer.prompt(list(messages), tools)
         else:
-            call = self.store.begin_chat(episode_id, messages, tools, group_id)
+            slot = await self._admit(episode_id, group_id)
+            call = self.store.begin_chat(episode_id, messages, tools, group_id, slot)
             prompt_ids = call.prompt_ids
         try:
             params = self._params(request, call is not None,
@@ -265,7 +276,8 @@ class Service:
         if episode_id is None:
             self.metrics.unrecorded.inc()
         else:
-            call = self.store.begin_tokens(episode_id, prompt_ids, group_id)
+            slot = await self._admit(episode_id, group_id)
+            call = self.store.begin_tokens(episode_id, prompt_ids, group_id, slot)
         try:
             params = self._params(request, call is not None,
                                   self._max_tokens(request.max_tokens, len(prompt_ids)))
