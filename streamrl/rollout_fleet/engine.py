@@ -13,7 +13,8 @@ policy makes later tokens of the same request carry the new version).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,19 @@ class Completion:
 
 TokenSink = Callable[[list[int]], None]
 """Called with newly sampled token ids of a streamed request, in order."""
+
+
+async def arriving(task: asyncio.Future[object], queue: asyncio.Queue[list[int]]
+                   ) -> AsyncIterator[list[int]]:
+    """The token-id lists a streamed request (``task``, reporting into ``queue`` as its
+    ``on_tokens``) sends, as they arrive, until it is done and all are taken."""
+    while not task.done() or not queue.empty():
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            yield getter.result()
+        else:
+            getter.cancel()
 
 
 class RolloutEngine(abc.ABC):

@@ -150,17 +150,14 @@ class ReplicaActor:
                             ) -> AsyncIterator[Any]:
         """``sample`` as a Ray streaming generator: lists of new token ids as they arrive,
         then the finished Completion (exact versions)."""
+        from streamrl.rollout_fleet.engine import arriving
+
         queue: asyncio.Queue[list[int]] = asyncio.Queue()
         task = asyncio.ensure_future(
             self.replica.sample_one(prompt_ids, params, request_id, queue.put_nowait))
         try:
-            while not task.done() or not queue.empty():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                else:
-                    getter.cancel()
+            async for ids in arriving(task, queue):
+                yield ids
             yield task.result()
         finally:
             task.cancel()  # the client went away: vLLM aborts a cancelled request

@@ -27,39 +27,34 @@ class RequestError(ValueError):
     """A request the service refuses with 400; the message names the field."""
 
 
-class ChatRequest(msgspec.Struct, kw_only=True):
-    messages: list[dict[str, Any]]
+class _Sampling(msgspec.Struct, kw_only=True):
+    """What chat and completion requests share."""
+
     model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    user: str | None = None
+    return_token_ids: bool = False
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    user: str | None = None
-    return_token_ids: bool = False
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[int]
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
     logprobs: int | None = None
     echo: bool = False
-    user: str | None = None
-    return_token_ids: bool = False
 
 
 class RewardRequest(msgspec.Struct, kw_only=True):

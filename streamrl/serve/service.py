@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from streamrl.config import Config
 from streamrl.rollout_fleet.agent.parsers import get_parser
-from streamrl.rollout_fleet.engine import Completion, SamplingParams
+from streamrl.rollout_fleet.engine import Completion, SamplingParams, arriving
 from streamrl.serve import protocol
 from streamrl.serve.episodes import AtCapacity, Call, EpisodeStore
 from streamrl.serve.protocol import ChatRequest, CompletionRequest, RequestError
@@ -223,13 +223,8 @@ class Service:
             yield protocol.chat_chunk(request_id=request_id, model=self.model_name,
                                       delta={"role": "assistant", "content": ""})
             # With tools the text is held back: a call is only known once the turn is whole.
-            while not task.done() or not queue.empty():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                text = chunk.add(getter.result())
+            async for ids in arriving(task, queue):
+                text = chunk.add(ids)
                 if text and not tools:
                     yield protocol.chat_chunk(request_id=request_id, model=self.model_name,
                                               delta={"content": text})
@@ -310,13 +305,8 @@ class Service:
         task = asyncio.ensure_future(
             self._sample(episode_id, call, prompt_ids, params, queue.put_nowait))
         try:
-            while not task.done() or not queue.empty():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                text = chunk.add(getter.result())
+            async for ids in arriving(task, queue):
+                text = chunk.add(ids)
                 if text:
                     yield protocol.completion_chunk(request_id=request_id, model=self.model_name,
                                                     text=text, finish_reason=None)
