@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,15 +123,22 @@ class Service:
                                f"max_model_len={self.cfg.rollout.max_model_len} leaves no room")
         return min(asked or limit, room)
 
-    async def _admit(self, episode_id: str, group_id: str | None) -> bool:
-        """Take the admission slot a new episode needs, off the event loop (the buffer call is
-        a blocking round trip that would stall every call in flight); AtCapacity if refused."""
-        if not self.store.wants_slot(episode_id, group_id):
-            return False
-        if not await asyncio.to_thread(self.store.buffer.try_admit):
+    async def _begin(self, episode_id: str, group_id: str | None,
+                     begin: Callable[[bool], Call]) -> Call:
+        """Plan a recorded call. The admission slot a new episode needs is taken first, off
+        the event loop (the buffer call is a blocking round trip that would stall every call
+        in flight; refused: AtCapacity), and given back if the call is refused before its
+        episode opens."""
+        slot = self.store.wants_slot(episode_id, group_id)
+        if slot and not await asyncio.to_thread(self.store.buffer.try_admit):
             self.store.counters.admission_refused += 1
             raise AtCapacity(episode_id)
-        return True
+        try:
+            return begin(slot)
+        except BaseException:
+            if slot and episode_id not in self.store.episodes:
+                self.store.buffer.cancel_admission()
+            raise
 
     async def _sample(self, episode_id: str | None, call: Call | None, prompt_ids: list[int],
                       params: SamplingParams, on_tokens: Any = None) -> Answer:
@@ -185,8 +192,8 @@ class Service:
             call = None
             prompt_ids = self.renderer.prompt(list(messages), tools)
         else:
-            slot = await self._admit(episode_id, group_id)
-            call = self.store.begin_chat(episode_id, messages, tools, group_id, slot)
+            call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_chat(
+                episode_id, messages, tools, group_id, slot))
             prompt_ids = call.prompt_ids
         try:
             params = self._params(request, call is not None,
@@ -271,8 +278,8 @@ class Service:
         if episode_id is None:
             self.metrics.unrecorded.inc()
         else:
-            slot = await self._admit(episode_id, group_id)
-            call = self.store.begin_tokens(episode_id, prompt_ids, group_id, slot)
+            call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_tokens(
+                episode_id, prompt_ids, group_id, slot))
         try:
             params = self._params(request, call is not None,
                                   self._max_tokens(request.max_tokens, len(prompt_ids)))

@@ -161,6 +161,11 @@ def test_refusals_name_the_problem(served):
     big = httpx.post(f"{served.base_url}/v1/chat/completions", headers=auth,
                      json={"messages": [{"role": "user", "content": "x" * 30000}]})
     assert big.status_code == 400 and "serve.max_body_bytes" in big.json()["error"]["message"]
+    before = served.buffer.stats().started
+    empty = httpx.post(f"{served.base_url}/v1/chat/completions", json={"messages": []},
+                       headers={**auth, "X-Episode-Id": "empty-1"})
+    assert empty.status_code == 400 and "messages" in empty.json()["error"]["message"]
+    assert served.buffer.stats().started == before  # the refused call's slot was given back
     missing = reward(served, "never-opened", reward=1.0)
     assert missing.status_code == 404
     metrics = httpx.get(f"{served.base_url}/metrics", headers=auth).text
