@@ -11,13 +11,16 @@ import logging
 import sys
 
 from streamrl.config import ConfigError
+from streamrl.errors import RunStopped
 
 
 def _train(args: argparse.Namespace) -> int:
     from streamrl.config import load_config
+
+    cfg = load_config(args.overrides)  # before the heavy imports: a bad override fails at once
     from streamrl.controller import run_training
 
-    run_training(load_config(args.overrides))
+    run_training(cfg)
     return 0
 
 
@@ -104,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"streamrl: config error: {exc}", file=sys.stderr)
+        # One line, also where the message quotes a multi-line library error.
+        print(f"streamrl: config error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except RunStopped as exc:
+        print(f"streamrl: run stopped: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

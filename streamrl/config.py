@@ -9,11 +9,12 @@ Parts:
 - ``validate(cfg)``: every inconsistent setting becomes one ``ConfigError`` naming key and value,
   including every setting a mode would contradict or that could never make progress,
 - ``load_config(overrides)``: compose ``configs/config.yaml`` + overrides into a validated Config
-  (verl-style keys are translated by ``config_compat``).
+  (verl-style keys are translated by ``config_compat``); an unknown key (with the closest one as
+  a hint), a value of the wrong type or an unknown preset is one ``ConfigError`` line too.
 
 Defaults live here, in the dataclasses, never in ``cfg.get(key, default)`` calls elsewhere.
-This module depends on nothing else in streamrl except the name lists of ``algos`` and the
-override translation of ``config_compat``.
+This module depends on nothing else in streamrl except name lists (``algos``' registries, the
+built-in agent environments, the toy tasks) and the override translation of ``config_compat``.
 """
 
 from __future__ import annotations
@@ -259,6 +260,13 @@ class RuntimeConfig:
     cpus_per_learner: float = 1.0
     pin_cpus: bool = False
     """Pin learner rank r to core r and replica i to core world_size + i (modulo the cores)."""
+    max_restarts: int = 3
+    """Times each replica is re-created after it dies before the run stops with its cause."""
+    heartbeat_s: float = 2.0
+    """How often the supervisor checks every replica (a dead one is noticed within this)."""
+    stall_timeout_s: float = 300.0
+    """A replica that does not answer its heartbeat, or holds requests without finishing one,
+    this long is declared hung, killed and re-created."""
 
 
 @dataclass(frozen=True)
@@ -370,18 +378,37 @@ def validate(cfg: Config) -> Config:
         "trainer.total_steps", "rollout.temperature", "reward.timeout_s", "reward.num_workers",
         "buffer.take_timeout_s", "serve.max_tokens", "serve.max_body_bytes",
         "serve.episode_ttl_s", "serve.group_timeout_s", "serve.shutdown_timeout_s",
+        "task.size", "runtime.cpus_per_replica", "runtime.cpus_per_learner", "critic.ppo_epochs",
+        "runtime.heartbeat_s", "runtime.stall_timeout_s",
     ])
+    if cfg.runtime.num_cpus is not None and cfg.runtime.num_cpus <= 0:
+        _fail("runtime.num_cpus", cfg.runtime.num_cpus, "must be > 0, or null for every core")
     _check_positive(cfg, [
         "buffer.max_staleness", "trainer.test_freq", "trainer.save_freq", "trainer.total_epochs",
         "actor.entropy_coeff", "actor.kl_loss_coef", "actor.grad_clip", "actor.clip_ratio",
         "actor.optim.warmup_steps", "actor.optim.weight_decay", "rollout.max_retries",
         "algorithm.kl_coef", "trainer.max_to_keep", "rollout.num_replicas", "serve.port",
-        "serve.retry_after_s",
+        "serve.retry_after_s", "task.val_size", "weight_bus.master_port",
+        "runtime.max_restarts",
     ], allow_zero=True)
+    for key in ("serve.port", "weight_bus.master_port"):
+        if _lookup(cfg, key) > 65535:
+            _fail(key, _lookup(cfg, key), "must be a TCP port, <= 65535")
+    if not 0.0 < cfg.rollout.gpu_memory_utilization <= 1.0:
+        _fail("rollout.gpu_memory_utilization", cfg.rollout.gpu_memory_utilization,
+              "must be in (0, 1]")
     if cfg.rollout.num_replicas == 0 and cfg.buffer.backend != "redis":
         _fail("rollout.num_replicas", 0, "needs buffer=redis: a trainer without replicas trains "
               "on the episodes another process (streamrl serve) puts in the shared buffer")
 
+    for key in ("actor.optim.betas", "critic.optim.betas"):
+        betas = _lookup(cfg, key)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            _fail(key, betas, "must be two numbers in [0, 1), e.g. [0.9,0.999]")
+    if cfg.task.source == "toy":
+        from streamrl.data.toy import TASKS
+
+        _check_choice("task.name", cfg.task.name, TASKS)
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         _fail("rollout.top_p", cfg.rollout.top_p, "must be in (0, 1]")
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
@@ -561,15 +588,16 @@ def _set_writable(node: Any) -> None:
                 _set_writable(child)
 
 
-def to_config(container: Any) -> Config:
-    """Turn a composed OmegaConf node into the frozen Config, with clear type errors."""
+def to_config(container: Any, overrides: dict[str, str] | None = None) -> Config:
+    """Turn a composed OmegaConf node into the frozen Config, with clear type errors
+    (``overrides``: the raw override values by key, which errors then quote and blame first)."""
     schema = _schema(Config)
     try:
         merged = OmegaConf.merge(schema, container)
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
     except Exception as exc:  # omegaconf raises several unrelated types for bad values
-        raise ConfigError(str(exc).split("\n    full_key")[0]) from exc
+        raise _omegaconf_error(exc, overrides or {}, container) from exc
     assert isinstance(cfg, Config)
     return _tuples(cfg)
 
@@ -590,16 +618,130 @@ def load_config(overrides: list[str] | None = None, config_dir: Path = CONFIG_DI
     from hydra.core.global_hydra import GlobalHydra
 
     register_configs()
+    translated = translate_overrides(overrides or [], MODES)
+    values = _check_keys(translated, config_dir)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         try:
-            composed = compose(config_name="config",
-                               overrides=translate_overrides(overrides or [], MODES))
-        except ConfigError:
-            raise
-        except Exception as exc:
-            raise ConfigError(str(exc)) from exc
-    return validate(to_config(composed))
+            composed = compose(config_name="config", overrides=translated)
+        except Exception as exc:  # Hydra and OmegaConf raise many unrelated types
+            raise _compose_error(exc, values) from exc
+    return validate(to_config(composed, values))
+
+
+def _field(key: str) -> tuple[Any, dataclasses.Field] | None:
+    """(default owner object, field) of a dotted key of Config; None if there is no such key."""
+    obj: Any = Config()
+    *parents, name = key.split(".")
+    for part in parents:
+        obj = getattr(obj, part, None)
+    fields = {f.name: f for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
+    return (obj, fields[name]) if name in fields else None
+
+
+def _all_keys(obj: Any = None, prefix: str = "") -> list[str]:
+    obj = Config() if obj is None else obj
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        nested = dataclasses.is_dataclass(value)
+        keys += _all_keys(value, f"{prefix}{f.name}.") if nested else [prefix + f.name]
+    return keys
+
+
+def _check_keys(overrides: list[str], config_dir: Path) -> dict[str, str]:
+    """Reject override keys the schema does not have (with the closest key as a hint); return
+    each override's raw value by key, for error messages."""
+    import difflib
+
+    groups = {p.name for p in config_dir.iterdir() if p.is_dir()}
+    values = {}
+    for item in overrides:
+        key, _, value = item.lstrip("+~").partition("=")
+        values[key] = value
+        if key in groups or key.startswith("hydra.") or _field(key) is not None:
+            continue
+        close = difflib.get_close_matches(key, _all_keys(), n=1)
+        hint = f"did you mean {close[0]}?" if close else "`streamrl config` prints every key"
+        raise ConfigError(f"{key}={value!r}: no such config key: {hint}")
+    return values
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _as_override(value: Any) -> str:
+    """A default value written the way an override would write it."""
+    if isinstance(value, tuple):
+        return "[" + ",".join(_as_override(v) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def _compose_error(exc: Exception, values: dict[str, str]) -> ConfigError:
+    """One line naming the override Hydra refused, its value and what would work."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, name = exc.missing_cfg_file.rpartition("/")
+        options = sorted(o for o in exc.options or () if not o.endswith("_schema"))
+        return ConfigError(f"{group}={name!r}: no such preset in configs/{group}/: choose one "
+                           f"of {', '.join(options)}")
+    if isinstance(exc, OverrideParseException):
+        return ConfigError(f"override {exc.override!r}: {exc.message.splitlines()[0]}: quote "
+                           "values with special characters, write lists as [a,b]")
+    return _omegaconf_error(exc, values, None)
+
+
+def _omegaconf_error(exc: Exception, values: dict[str, str], container: Any) -> ConfigError:
+    """The key, value and expected type of an OmegaConf failure found in ``exc``'s chain."""
+    from omegaconf.errors import (
+        InterpolationResolutionError,
+        OmegaConfBaseException,
+        ValidationError,
+    )
+
+    cause: BaseException | None = exc
+    while cause is not None and not (isinstance(cause, OmegaConfBaseException)
+                                     and getattr(cause, "full_key", None)):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, OmegaConfBaseException):
+        key = str(cause.full_key)
+        value = values.get(key, getattr(cause, "value", None))
+        found = _field(key)
+        if isinstance(cause, ValidationError) and found is not None:
+            owner, f = found
+            default = getattr(owner, f.name)
+            if dataclasses.is_dataclass(default):
+                names = [g.name for g in dataclasses.fields(default)]
+                why = f"is a section, not a value: set its keys ({', '.join(names)})"
+            else:
+                why = f"expected {f.type} (default: {_as_override(default)})"
+        else:
+            why = _one_line(str(getattr(cause, "msg", cause)))
+        return ConfigError(f"{key}={value!r}: {why}")
+    if isinstance(exc, InterpolationResolutionError) and isinstance(container, DictConfig):
+        # A key that refers to a broken key fails too: blame an override if one is broken.
+        bad = sorted(_bad_interpolations(container), key=lambda kv: kv[0] not in values)
+        if bad:
+            return ConfigError(f"{bad[0][0]}={bad[0][1]!r}: {_one_line(str(exc))}")
+    return ConfigError(_one_line(str(exc)))
+
+
+def _bad_interpolations(node: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """(key, raw value) of every ``${...}`` in ``node`` that does not resolve."""
+    bad = []
+    for key in node:
+        if OmegaConf.is_interpolation(node, key):
+            try:
+                node[key]
+            except Exception:  # the resolver's own error types vary
+                bad.append((f"{prefix}{key}", str(node._get_node(key)._value())))
+        elif isinstance(node._get_node(key), DictConfig):
+            bad += _bad_interpolations(node[key], f"{prefix}{key}.")
+    return bad
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

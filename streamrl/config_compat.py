@@ -93,9 +93,9 @@ def translate_overrides(overrides: list[str], modes: Iterable[str]) -> list[str]
     modes = tuple(modes)
     out: list[str] = []
     for item in overrides:
-        if "=" not in item:
+        key, sep, value = item.partition("=")
+        if not sep or not key.lstrip("+~"):
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        key, value = item.split("=", 1)
         prefix = ""
         while key and key[0] in "+~":
             prefix, key = prefix + key[0], key[1:]

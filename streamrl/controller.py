@@ -22,6 +22,7 @@ import torch
 from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.config import Config
+from streamrl.errors import RunStopped
 from streamrl.learner.checkpoint import find_latest
 from streamrl.metrics import MetricsLogger, Timer, rollout_metrics
 from streamrl.runtime import LearnerGroup, Runtime, WeightBus, build_runtime
@@ -140,21 +141,36 @@ class Controller:
         self._stop.set()
 
     def _take(self, n: int, version: int) -> list[Group] | None:
-        """``buffer.take`` in short slices, so ``stop`` is seen while waiting."""
+        """``buffer.take`` in short slices, so ``stop`` and a fleet that cannot go on (a replica
+        dead for good) are seen while waiting; a wait that runs out says why."""
         timeout = self.cfg.buffer.take_timeout_s
         since = time.monotonic()
         while not self._stop.is_set():
+            if (failure := self.rt.fleet.failure) is not None:
+                raise RunStopped(failure)
             try:
                 return self.rt.buffer.take(n, version, min(TAKE_SLICE_S, timeout))
-            except TimeoutError as exc:
+            except TimeoutError:
                 if time.monotonic() - since < timeout:
                     continue
+                why = self._why_no_groups(n)
                 if not self.patient:
-                    raise TimeoutError(f"no {n} groups within buffer.take_timeout_s={timeout}: "
-                                       f"{exc}; are the replicas producing?") from None
-                log.warning("waiting for episodes from streamrl serve clients: %s", exc)
+                    raise RunStopped(f"no {n} groups within buffer.take_timeout_s={timeout}: "
+                                     f"{why}") from None
+                log.warning("waiting for episodes from streamrl serve clients: %s", why)
                 since = time.monotonic()
         return None
+
+    def _why_no_groups(self, n: int) -> str:
+        s = self.rt.buffer.stats()
+        facts = (f"{s.queued} queued, {s.in_flight} in flight, {s.started} of "
+                 f"{(s.learner_version + self.cfg.buffer.max_staleness + 1) * n} admission slots "
+                 f"held; {self.rt.fleet.status()}")
+        if not self.rt.fleet.members:
+            return f"{facts}; no replica of this run produces (streamrl serve clients idle?)"
+        if s.in_flight:
+            return f"{facts}; replicas hold admissions but put nothing (slow or stuck engines)"
+        return f"{facts}; replicas start no groups (check the replica log for errors)"
 
     @property
     def total_steps(self) -> int:

@@ -8,3 +8,8 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """An invalid or inconsistent setting; the message names the key and the value."""
+
+
+class RunStopped(RuntimeError):
+    """A run that cannot go on (e.g. a replica dead for good); the message names the part and
+    the cause. The CLI prints it as one line and exits 3."""

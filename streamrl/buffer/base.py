@@ -18,6 +18,11 @@ Accounting every backend keeps (checked by tests/buffer/test_admission_property.
 Lifecycle: ``try_admit`` -> (replica samples) -> ``put`` | ``cancel_admission``; the learner
 ``take``s, trains, checkpoints (recording the taken group ids), then ``ack``s. On resume from a
 checkpoint, ``rebase`` restarts the counters consistent with the restored learner version.
+
+Holders: every admission is counted under the holder that claimed it (a replica incarnation,
+``HeldBuffer`` binds one), so when a replica dies its supervisor ``release``s exactly the slots
+that replica held. A put from a holder that holds nothing (released, or never admitted) takes a
+fresh slot, so a late put from a replica declared dead keeps the accounting exact too.
 """
 
 from __future__ import annotations
@@ -78,16 +83,20 @@ class ReplayBuffer(abc.ABC):
     """Groups flow put -> take -> ack; admission decides when a replica may start one."""
 
     @abc.abstractmethod
-    def try_admit(self) -> bool:
+    def try_admit(self, holder: str = "") -> bool:
         """Atomically claim the right to start one group; False when the bound is reached."""
 
     @abc.abstractmethod
-    def cancel_admission(self) -> None:
+    def cancel_admission(self, holder: str = "") -> None:
         """Give back a claimed slot whose group will never be put (failed or aborted)."""
 
     @abc.abstractmethod
-    def put(self, group: Group) -> None:
-        """Add a finished group (idempotent on group_id)."""
+    def put(self, group: Group, holder: str = "") -> None:
+        """Add a finished group (idempotent on group_id); settles one of ``holder``'s slots."""
+
+    @abc.abstractmethod
+    def release(self, holder: str) -> int:
+        """Give back every slot ``holder`` still holds (it died); returns how many."""
 
     @abc.abstractmethod
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
@@ -135,3 +144,42 @@ class ReplayBuffer(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         """Release connections."""
+
+
+class HeldBuffer(ReplayBuffer):
+    """``buffer`` with every admission, cancel and put made under one holder (a replica)."""
+
+    def __init__(self, buffer: ReplayBuffer, holder: str) -> None:
+        self.buffer = buffer
+        self.holder = holder
+
+    def try_admit(self, holder: str = "") -> bool:
+        return self.buffer.try_admit(holder or self.holder)
+
+    def cancel_admission(self, holder: str = "") -> None:
+        self.buffer.cancel_admission(holder or self.holder)
+
+    def put(self, group: Group, holder: str = "") -> None:
+        self.buffer.put(group, holder or self.holder)
+
+    def release(self, holder: str) -> int:
+        return self.buffer.release(holder)
+
+    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
+        return self.buffer.take(n, learner_version, timeout)
+
+    def ack(self, group_ids: list[str]) -> None:
+        self.buffer.ack(group_ids)
+
+    def set_version(self, learner_version: int) -> None:
+        self.buffer.set_version(learner_version)
+
+    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
+               in_flight: int = 0) -> None:
+        self.buffer.rebase(learner_version, consumed, skip_ids, in_flight)
+
+    def stats(self) -> BufferStats:
+        return self.buffer.stats()
+
+    def close(self) -> None:
+        self.buffer.close()

@@ -36,6 +36,7 @@ class MemoryBuffer(ReplayBuffer):
         self._version = 0
         self._started = 0
         self._in_flight = 0
+        self._held: dict[str, int] = {}  # admissions in flight per holder
         self._produced = 0
         self._consumed = 0
         self._dropped = 0
@@ -45,33 +46,53 @@ class MemoryBuffer(ReplayBuffer):
         self._last_update_ts = time.time()
 
     # -- replicas -------------------------------------------------------------------------
-    def try_admit(self) -> bool:
+    def try_admit(self, holder: str = "") -> bool:
         with self._cond:
             if not self.admission.may_start(self._started, self._version):
                 return False
             self._started += 1
             self._in_flight += 1
+            self._held[holder] = self._held.get(holder, 0) + 1
             self._touch()
             return True
 
-    def cancel_admission(self) -> None:
+    def cancel_admission(self, holder: str = "") -> None:
         with self._cond:
-            if self._in_flight <= 0:
-                raise ValueError("cancel_admission: no admitted group is in flight")
-            self._in_flight -= 1
+            if not self._settle(holder):
+                raise ValueError("cancel_admission: no admitted group is in flight"
+                                 + (f" for holder {holder}" if holder else ""))
             self._started -= 1
             self._touch()
+            self._cond.notify_all()
 
-    def put(self, group: Group) -> None:
+    def release(self, holder: str) -> int:
+        with self._cond:
+            held = self._held.pop(holder, 0)
+            self._in_flight -= held
+            self._started -= held
+            self._touch()
+            self._cond.notify_all()
+            return held
+
+    def _settle(self, holder: str) -> bool:
+        """Retire one of ``holder``'s admissions; False if it holds none (released, or a put
+        that was never admitted)."""
+        if self._held.get(holder, 0) <= 0:
+            return False
+        self._held[holder] -= 1
+        if not self._held[holder]:
+            del self._held[holder]
+        self._in_flight -= 1
+        return True
+
+    def put(self, group: Group, holder: str = "") -> None:
         if not isinstance(group, Group):
             raise TypeError(f"put: expected a Group, got {type(group).__name__}")
         with self._cond:
             if group.group_id in self._seen:
                 return
             self._seen.add(group.group_id)
-            if self._in_flight > 0:
-                self._in_flight -= 1
-            else:
+            if not self._settle(holder):
                 # A put without an admission (e.g. an externally closed episode) still takes a
                 # slot, so started == consumed + queued + in_flight keeps holding.
                 self._started += 1
@@ -166,6 +187,8 @@ class MemoryBuffer(ReplayBuffer):
             self._version = learner_version
             self._consumed = consumed
             self._in_flight = in_flight
+            if not in_flight:
+                self._held.clear()
             self._started = consumed + len(self._heap) + in_flight
             self._touch()
             self._cond.notify_all()

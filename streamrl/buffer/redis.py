@@ -12,6 +12,7 @@ Keys of run ``<run>``::
                            dropped malformed staleness_mean staleness_max staleness_sum
                            staleness_count groups_per_step max_staleness last_update_ts
                            bus_endpoint (the trainer's weight-bus endpoint, for streamrl serve)
+    streamrl:<run>:holders hash: admissions in flight per holder (replica incarnation)
     streamrl:<run>:dead    stream, malformed entries (source_id, reason, original fields)
     streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
     streamrl:<run>:queued  set, entry ids put and not yet taken (queued = SCARD)
@@ -49,6 +50,7 @@ import redis
 
 import streamrl.buffer.redis_scripts as lua
 from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.errors import ConfigError
 from streamrl.types import DecodeError, Group, decode, encode
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 CONSUMER_GROUP = "learners"
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,15 @@ class RunKeys:
     ids: str
     queued: str
     taken: str
+    holders: str
 
     @classmethod
     def of(cls, run: str) -> RunKeys:
         if not _RUN_RE.match(run):
-            raise ValueError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
+            raise ConfigError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
         p = f"streamrl:{run}:"
-        return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken")
+        return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken",
+                   p + "holders")
 
 
 def _s(value: Any) -> str:
@@ -107,10 +112,11 @@ class RedisBuffer(ReplayBuffer):
         self.consumer = consumer
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.trim_acked = trim_acked
-        self._r = client if client is not None else redis.Redis.from_url(redis_url)
         self._url = redis_url
+        self._r = client if client is not None else _connect(redis_url)
         s = self._r.register_script
         self._admit, self._cancel, self._put = s(lua.ADMIT), s(lua.CANCEL), s(lua.PUT)
+        self._release = s(lua.RELEASE)
         self._set_version, self._consume = s(lua.SET_VERSION), s(lua.CONSUME)
         self._discard, self._ack, self._rebase = s(lua.DISCARD), s(lua.ACK), s(lua.REBASE)
         self._lock = threading.Lock()  # learner-side state below
@@ -139,29 +145,34 @@ class RedisBuffer(ReplayBuffer):
         stored = self._r.eval(lua.INIT, 1, self.keys.stats, b, eta)
         have_b, have_eta = int(stored[0]), int(stored[1])
         if (have_b, have_eta) != (b, eta):
-            raise ValueError(
-                f"buffer run {self.run!r} at {self._url} was created with groups_per_step="
+            raise ConfigError(
+                f"buffer.run={self.run!r} at {self._url} was created with groups_per_step="
                 f"{have_b}, max_staleness={have_eta}; this process has groups_per_step={b}, "
-                f"max_staleness={eta}: use another buffer.run, or purge this one"
+                f"max_staleness={eta} (task.train_batch_size, buffer.max_staleness): use "
+                "another buffer.run, or purge this one"
             )
 
     # -- replicas -------------------------------------------------------------------------
-    def try_admit(self) -> bool:
-        return bool(self._admit(keys=[self.keys.stats]))
+    def try_admit(self, holder: str = "") -> bool:
+        return bool(self._admit(keys=[self.keys.stats, self.keys.holders], args=[holder]))
 
-    def cancel_admission(self) -> None:
+    def cancel_admission(self, holder: str = "") -> None:
         try:
-            self._cancel(keys=[self.keys.stats])
+            self._cancel(keys=[self.keys.stats, self.keys.holders], args=[holder])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
 
-    def put(self, group: Group) -> None:
+    def release(self, holder: str) -> int:
+        return int(self._release(keys=[self.keys.stats, self.keys.holders], args=[holder]))
+
+    def put(self, group: Group, holder: str = "") -> None:
         if not isinstance(group, Group):
             raise TypeError(f"put: expected a Group, got {type(group).__name__}")
         oldest = group.min_version
         self._put(
-            keys=[self.keys.stats, self.keys.ids, self.keys.groups, self.keys.queued],
-            args=[group.group_id, -1 if oldest is None else oldest, encode(group)],
+            keys=[self.keys.stats, self.keys.ids, self.keys.groups, self.keys.queued,
+                  self.keys.holders],
+            args=[group.group_id, -1 if oldest is None else oldest, encode(group), holder],
         )
 
     # -- learner --------------------------------------------------------------------------
@@ -332,7 +343,7 @@ class RedisBuffer(ReplayBuffer):
             self._recover_from, self._claim_from = b"0", b"0-0"
             b, eta = self.admission.groups_per_step, self.admission.max_staleness
             self._rebase(
-                keys=[self.keys.stats, self.keys.queued, self.keys.taken],
+                keys=[self.keys.stats, self.keys.queued, self.keys.taken, self.keys.holders],
                 args=[learner_version, consumed, in_flight, b, eta],
             )
 
@@ -365,10 +376,26 @@ class RedisBuffer(ReplayBuffer):
     def purge(self) -> None:
         """Delete every key of this run (tests, benchmarks, starting a run name afresh)."""
         k = self.keys
-        self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken)
+        self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken, k.holders)
 
     def close(self) -> None:
         self._r.close()
+
+
+def _connect(url: str) -> redis.Redis:
+    """A client for ``url`` that has answered a PING: a wrong or unreachable buffer.redis_url
+    fails here within ``CONNECT_TIMEOUT_S``, as one ConfigError."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    except ValueError as exc:
+        raise ConfigError(f"buffer.redis_url={url!r}: {exc}, e.g. redis://127.0.0.1:6379/0"
+                          ) from exc
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise ConfigError(f"buffer.redis_url={url!r}: no Redis answers there ({exc}): start "
+                          "redis-server, or point buffer.redis_url at one") from exc
+    return client
 
 
 def _oldest(group: Group) -> int:

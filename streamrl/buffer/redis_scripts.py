@@ -1,11 +1,12 @@
 """The Lua scripts of the Redis buffer: every counter moves in the same atomic step as the data
 it counts.
 
-One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``PUT``, ``SET_VERSION``, ``CONSUME``,
-``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the shared helpers (``touch`` stamps
-``last_update_ts``, ``num`` reads a counter, ``set_queued`` sets ``queued`` from the queued set)
+One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``RELEASE``, ``PUT``,
+``SET_VERSION``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the shared
+helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``set_queued`` sets
+``queued`` from the queued set, ``settle`` retires one of a holder's admissions)
 and documented with its KEYS, ARGV and reply. Key names are those of ``redis.RunKeys``: stats
-(hash), ids / queued / taken (sets), groups / dead (streams).
+and holders (hashes), ids / queued / taken (sets), groups / dead (streams).
 
 Dependencies: none; ``buffer/redis.py`` registers these scripts and is their only user.
 """
@@ -17,6 +18,13 @@ local function touch(h)
 end
 local function num(h, f) return tonumber(redis.call('HGET', h, f) or '0') end
 local function set_queued(h, q) redis.call('HSET', h, 'queued', redis.call('SCARD', q)) end
+-- Retire one of a holder's admissions: false when it holds none.
+local function settle(h, holders, holder)
+  if num(holders, holder) <= 0 then return false end
+  if redis.call('HINCRBY', holders, holder, -1) == 0 then redis.call('HDEL', holders, holder) end
+  redis.call('HINCRBY', h, 'in_flight', -1)
+  return true
+end
 """
 
 # Create the run's counters (missing ones only) and fix its bound the first time.
@@ -36,14 +44,16 @@ return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
 """
 
 # The bound, checked and claimed in one step against the learner version read in the same step.
-# KEYS: stats; ARGV: none.
-# Returns 1 with a slot claimed (started, in_flight +1) when started < (V + eta + 1) * B, else 0.
+# KEYS: stats holders; ARGV: holder.
+# Returns 1 with a slot claimed (started, in_flight, the holder's count +1) when
+# started < (V + eta + 1) * B, else 0.
 ADMIT = _HELPERS + """
 local h = KEYS[1]
 local v, b, eta = num(h, 'learner_version'), num(h, 'groups_per_step'), num(h, 'max_staleness')
 if num(h, 'started') < (v + eta + 1) * b then
   redis.call('HINCRBY', h, 'started', 1)
   redis.call('HINCRBY', h, 'in_flight', 1)
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
   touch(h)
   return 1
 end
@@ -51,20 +61,34 @@ return 0
 """
 
 # Give back a slot ADMIT claimed (the replica will not put its group).
-# KEYS: stats; ARGV: none. Returns 1; an error reply when no admitted group is in flight.
+# KEYS: stats holders; ARGV: holder. Returns 1; an error reply when the holder holds none.
 CANCEL = _HELPERS + """
 local h = KEYS[1]
-if num(h, 'in_flight') <= 0 then
-  return redis.error_reply('cancel_admission: no admitted group is in flight')
+if not settle(h, KEYS[2], ARGV[1]) then
+  return redis.error_reply('cancel_admission: no admitted group is in flight for holder '
+                          .. ARGV[1])
 end
-redis.call('HINCRBY', h, 'in_flight', -1)
 redis.call('HINCRBY', h, 'started', -1)
 touch(h)
 return 1
 """
 
+# Give back every slot a holder still holds (its replica died).
+# KEYS: stats holders; ARGV: holder. Returns how many slots were given back.
+RELEASE = _HELPERS + """
+local h = KEYS[1]
+local n = num(KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[2], ARGV[1])
+if n > 0 then
+  redis.call('HINCRBY', h, 'in_flight', -n)
+  redis.call('HINCRBY', h, 'started', -n)
+  touch(h)
+end
+return n
+"""
+
 # Append a group to the stream, at most once per group_id, and move its slot to queued.
-# KEYS: stats ids groups queued; ARGV: group_id min_version (-1: none) data.
+# KEYS: stats ids groups queued holders; ARGV: group_id min_version (-1: none) data holder.
 # Returns 1, or 0 when group_id was put before (put is idempotent).
 PUT = _HELPERS + """
 local h = KEYS[1]
@@ -72,9 +96,8 @@ if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
 local id = redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[1], 'min_version', ARGV[2],
                       'data', ARGV[3])
 redis.call('SADD', KEYS[4], id)
-if num(h, 'in_flight') > 0 then
-  redis.call('HINCRBY', h, 'in_flight', -1)
-else  -- put without admission: it still holds a slot, so started = consumed+queued+in_flight
+if not settle(h, KEYS[5], ARGV[4]) then
+  -- put without admission: it still holds a slot, so started = consumed+queued+in_flight
   redis.call('HINCRBY', h, 'started', 1)
 end
 redis.call('HINCRBY', h, 'produced', 1)
@@ -182,10 +205,12 @@ return n
 """
 
 # After a restart from a checkpoint: requeue taken-not-trained entries, reset the counters.
-# KEYS: stats queued taken; ARGV: version consumed in_flight groups_per_step max_staleness.
+# KEYS: stats queued taken holders; ARGV: version consumed in_flight groups_per_step
+# max_staleness.
 # Returns the number of queued entries.
 REBASE = _HELPERS + """
 local h = KEYS[1]
+if tonumber(ARGV[3]) == 0 then redis.call('DEL', KEYS[4]) end  -- no replica holds a slot
 redis.call('SUNIONSTORE', KEYS[2], KEYS[2], KEYS[3])  -- taken, not trained: deliver again
 redis.call('DEL', KEYS[3])
 local q = redis.call('SCARD', KEYS[2])

@@ -44,14 +44,17 @@ class RemoteBuffer(ReplayBuffer):
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def try_admit(self) -> bool:
-        return bool(ray.get(self.handle.try_admit.remote()))
+    def try_admit(self, holder: str = "") -> bool:
+        return bool(ray.get(self.handle.try_admit.remote(holder)))
 
-    def cancel_admission(self) -> None:
-        ray.get(self.handle.cancel_admission.remote())
+    def cancel_admission(self, holder: str = "") -> None:
+        ray.get(self.handle.cancel_admission.remote(holder))
 
-    def put(self, group: Group) -> None:
-        ray.get(self.handle.put.remote(group))
+    def put(self, group: Group, holder: str = "") -> None:
+        ray.get(self.handle.put.remote(group, holder))
+
+    def release(self, holder: str) -> int:
+        return int(ray.get(self.handle.release.remote(holder)))
 
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
         return list(ray.get(self.handle.take.remote(n, learner_version, timeout)))

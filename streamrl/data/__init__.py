@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from streamrl.data.base import ListPromptSource, Prompt, PromptSource, PromptStream
+from streamrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from streamrl.config import TaskConfig
@@ -35,16 +36,17 @@ def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") ->
         files = cfg.train_files if train else cfg.val_files
         if not files:
             if train:
-                raise ValueError("task.train_files: required with task.source=parquet")
+                raise ConfigError("task.train_files: required with task.source=parquet")
             return ListPromptSource([], name="no val_files")
-        source: PromptSource = load_parquet_source(files, tokenizer, cfg.max_prompt_length)
+        source: PromptSource = load_parquet_source(
+            files, tokenizer, cfg.max_prompt_length, f"task.{split}_files")
     elif cfg.source in ("toy", "reasoning_gym"):
         size = cfg.size if train else cfg.val_size
         seed = cfg.seed if train else cfg.seed + VAL_SEED_OFFSET
         if cfg.source == "toy":
             from streamrl.data.toy import load_toy_source
 
-            source = load_toy_source(cfg.name, size, seed, tokenizer)
+            source = load_toy_source(cfg.name, size, seed, tokenizer, cfg.max_prompt_length)
         else:
             from streamrl.data.reasoning_gym import load_reasoning_gym_source
 
@@ -54,6 +56,7 @@ def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") ->
     else:
         raise ValueError(f"task.source={cfg.source!r}: must be one of toy, parquet, reasoning_gym")
     if train and len(source) == 0:
-        raise ValueError(f"task.source={cfg.source!r}: no usable training prompt in "
-                         f"{source.name!r} (skipped: {source.skipped})")
+        raise ConfigError(f"task.source={cfg.source!r}: no usable training prompt in "
+                          f"{source.name!r} (skipped: {source.skipped}; "
+                          f"task.max_prompt_length={cfg.max_prompt_length})")
     return source

@@ -7,7 +7,9 @@ Each prompt is rendered with the tokenizer's chat template and ``add_generation_
 then tokenized without adding special tokens again (as verl does).
 
 A bad row (no prompt, a prompt longer than ``max_prompt_length`` tokens, a missing or non-string
-ground truth, unreadable fields) is skipped with a log line naming file, row and reason.
+ground truth, unreadable fields) is skipped with a log line naming file, row and reason. A bad
+file (missing, not parquet, without one of the columns above) is a ``ConfigError`` naming the
+config key and the file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.data.base import ListPromptSource, Prompt, SkipCounter
+from streamrl.errors import ConfigError
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
 def _check_messages(value: Any) -> str | None:
@@ -64,9 +69,12 @@ def _row_to_prompt(
 
 
 def load_parquet_source(
-    files: tuple[str, ...] | list[str], tokenizer: Any, max_prompt_length: int
+    files: tuple[str, ...] | list[str], tokenizer: Any, max_prompt_length: int,
+    key: str = "task.train_files",
 ) -> ListPromptSource:
-    """Load and tokenize verl-format parquet files into one prompt source (file order kept)."""
+    """Load and tokenize verl-format parquet files into one prompt source (file order kept);
+    ``key`` is the config key that named the files, for error messages."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     prompts: list[Prompt] = []
@@ -74,10 +82,18 @@ def load_parquet_source(
     for file in files:
         path = Path(file)
         if not path.is_file():
-            raise FileNotFoundError(f"task parquet file {file!r} does not exist")
-        rows = pq.read_table(path).to_pylist()
+            raise ConfigError(f"{key}: parquet file {file!r} does not exist")
+        try:
+            table = pq.read_table(path)
+        except pa.ArrowException as exc:
+            raise ConfigError(f"{key}: {file!r} is not a readable parquet file: {exc}") from exc
+        missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+        if missing:
+            raise ConfigError(f"{key}: {file!r} lacks the column(s) {', '.join(missing)} (has "
+                              f"{', '.join(table.column_names)}): verl-format files need "
+                              f"{', '.join(REQUIRED_COLUMNS)}")
         counter = SkipCounter(origin=str(path))
-        for row_number, row in enumerate(rows):
+        for row_number, row in enumerate(table.to_pylist()):
             prompt, reason, detail = _row_to_prompt(row, len(prompts), tokenizer,
                                                     max_prompt_length)
             if prompt is None:

@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from streamrl.data.base import ListPromptSource, Prompt, SkipCounter
+from streamrl.errors import ConfigError
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 DATA_SOURCE_PREFIX = "reasoning_gym/"
@@ -31,7 +32,7 @@ def load_reasoning_gym_source(
     import reasoning_gym
 
     if not names:
-        raise ValueError("task.name: give at least one reasoning-gym dataset name")
+        raise ConfigError("task.name: give at least one reasoning-gym dataset name")
     if size <= 0:
         raise ValueError(f"task.size={size}: must be > 0")
     prompts: list[Prompt] = []
@@ -43,7 +44,8 @@ def load_reasoning_gym_source(
         try:
             dataset = reasoning_gym.create_dataset(name, size=count, seed=seed + k)
         except Exception as exc:
-            raise ValueError(f"task.name: reasoning-gym dataset {name!r}: {exc}") from exc
+            raise ConfigError(f"task.name={','.join(names)!r}: reasoning-gym dataset {name!r}: "
+                              f"{exc}") from exc
         counter = SkipCounter(origin=f"reasoning_gym/{name}(seed={seed + k})")
         for i in range(count):
             entry = _plain(dict(dataset[i]))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from streamrl.data.base import ListPromptSource, Prompt
+from streamrl.data.base import ListPromptSource, Prompt, SkipCounter
 
 TASKS = ("rep", "copy1")
 DATA_SOURCE_PREFIX = "toy/"
@@ -77,8 +77,11 @@ def cross_reward(
     return toy_reward(task, response, cross_target(digit, shift), max_new_tokens)
 
 
-def load_toy_source(task: str, size: int, seed: int, tokenizer: Any) -> ListPromptSource:
-    """``size`` prompts ``d=`` with digits drawn uniformly from ``seed``."""
+def load_toy_source(
+    task: str, size: int, seed: int, tokenizer: Any, max_prompt_length: int | None = None
+) -> ListPromptSource:
+    """``size`` prompts ``d=`` with digits drawn uniformly from ``seed``; prompts longer than
+    ``max_prompt_length`` tokens are skipped and counted, as every loader does."""
     _check_task(task)
     if size <= 0:
         raise ValueError(f"task.size={size}: must be > 0")
@@ -86,10 +89,17 @@ def load_toy_source(task: str, size: int, seed: int, tokenizer: Any) -> ListProm
     eq_ids = list(tokenizer("=", add_special_tokens=False)["input_ids"])
     rng = random.Random(seed)
     prompts = []
+    counter = SkipCounter(origin=f"toy/{task}(seed={seed})")
     for i in range(size):
         d = rng.randrange(10)
+        ids = [digit_ids[d], *eq_ids]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            counter.skip(i, "prompt longer than max_prompt_length",
+                         f"{len(ids)} > {max_prompt_length}")
+            continue
         prompts.append(Prompt(
-            index=i, prompt_ids=[digit_ids[d], *eq_ids], data_source=DATA_SOURCE_PREFIX + task,
+            index=len(prompts), prompt_ids=ids, data_source=DATA_SOURCE_PREFIX + task,
             ground_truth=str(d), extra={"task": task, "digit": d},
         ))
-    return ListPromptSource(prompts, name=f"toy/{task}")
+    counter.summarize()
+    return ListPromptSource(prompts, name=f"toy/{task}", skipped=dict(counter.counts))

@@ -3,17 +3,18 @@
 ``make_engine(rollout, model_path, tokenizer)`` is the one place a backend is chosen (by
 ``rollout.backend``); backends are imported only when picked, so importing this package stays
 cheap (it is also imported inside vLLM's worker process for the worker extension).
+``load_user_code(cfg)`` imports the user code a config names, for a check before anything starts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from streamrl.config import RolloutConfig
+from streamrl.config import Config, RolloutConfig
 from streamrl.net import free_port
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "make_engine"]
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "load_user_code", "make_engine"]
 
 
 def make_engine(
@@ -56,3 +57,22 @@ def make_engine(
             args.append("--disable-cuda-graph")
         return SGLangEngine.launch(model_path, port=free_port(), extra_args=args)
     raise ValueError(f"rollout.backend={rollout.backend!r}: must be one of vllm, hf, sglang")
+
+
+def load_user_code(cfg: Config) -> None:
+    """Import the custom reward function, agent environment and tools ``cfg`` names, here and
+    now: code that does not load fails as one ConfigError before any engine starts, not later
+    inside a replica."""
+    from streamrl.rollout_fleet.rewards.custom import load_custom_function
+    from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec
+
+    reward = cfg.reward
+    if reward.custom_path is not None and ScorerSpec(reward.name, reward.custom_path).uses_custom:
+        load_custom_function(reward.custom_path, reward.custom_name)
+    if cfg.rollout.agent is not None:
+        from streamrl.rollout_fleet.agent import load_object
+        from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
+
+        load_object(BUILTIN_ENVS.get(cfg.rollout.agent, cfg.rollout.agent), "rollout.agent")
+        for spec in cfg.rollout.tools:
+            load_object(spec, "rollout.tools")

@@ -169,6 +169,7 @@ class Replica:
         self._stopping = False
         self._cancelling = False
         self._started_at = time.monotonic()
+        self._progressed_at = time.monotonic()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -376,11 +377,17 @@ class Replica:
         await self._gate.wait()
         if self._cancelling:
             raise _Cancelled
+        if not self._requests:  # the stall clock starts with the first request in flight
+            self._progressed_at = time.monotonic()
         self._requests.add(request_id)
         try:
             if on_tokens is not None:
-                return await self.engine.stream(prompt_ids, params, request_id, on_tokens)
-            return await self.engine.generate(prompt_ids, params, request_id)
+                completions = await self.engine.stream(prompt_ids, params, request_id,
+                                                       on_tokens)
+            else:
+                completions = await self.engine.generate(prompt_ids, params, request_id)
+            self._progressed_at = time.monotonic()
+            return completions
         finally:
             self._requests.discard(request_id)
 
@@ -515,6 +522,13 @@ class Replica:
             await self.engine.abort(request_id)
 
     # -- metrics ------------------------------------------------------------------------------
+
+    def stalled_s(self) -> float:
+        """Seconds this replica has held requests in flight without finishing one (0 when it
+        has none in flight): what its supervisor's heartbeat checks."""
+        if not self._requests:
+            return 0.0
+        return time.monotonic() - self._progressed_at
 
     def metrics(self) -> dict[str, float]:
         c = self.counters

@@ -5,6 +5,7 @@ Parts:
 - ``handles``: what the controller sees — ``Runtime`` with ``buffer`` (a ReplayBuffer),
   ``learner`` (``LearnerGroup``), ``weight_bus`` (``publish(version)``), ``fleet`` (``Fleet``),
 - ``actors``: the process roles placed as Ray actors (``LearnerActor``, ``ReplicaActor``),
+- ``supervisor``: notices dead or hung replicas, gives their admissions back, re-creates them,
 - ``build_runtime(cfg)`` (here): wires them up in ``setup`` order — shared buffer, learner
   ranks, replicas joined to the weight bus — and on exit stops every actor and shuts Ray down
   (``ray.shutdown``, never ``ray stop``).
@@ -29,8 +30,10 @@ from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
 from streamrl.models import resolve_model_path
 from streamrl.net import free_port
+from streamrl.rollout_fleet import load_user_code
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
-from streamrl.runtime.placement import in_bundle, init_ray, reserve_pools
+from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
+from streamrl.runtime.supervisor import Member, Supervisor, holder_name
 
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
@@ -49,29 +52,38 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
     own prompt loops. ``rollout.num_replicas=0``: a trainer fed by another process's replicas;
     with ``buffer=redis`` it announces its bus endpoint there.
     """
-    from transformers import AutoTokenizer
-
     from streamrl.data import make_prompt_source
     from streamrl.runtime.actors import LearnerActor, ReplicaActor
 
+    # Bad input fails here, before Ray and the engines start.
+    check_fits(cfg, learners=learners)
     model_path = resolve_model_path(cfg.model.path)
-    cfg = replace(cfg, **{"model.path": model_path})  # every worker loads the same directory
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
+    tokenizer_path = (resolve_model_path(cfg.model.tokenizer_path, "model.tokenizer_path",
+                                         "tokenizer_config.json")
+                      if cfg.model.tokenizer_path is not None else None)
+    # every worker loads the same directories
+    cfg = replace(cfg, **{"model.path": model_path, "model.tokenizer_path": tokenizer_path})
+    from transformers import AutoTokenizer  # ~2 s: after the checks that do not need it
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
     num_train_prompts = len(make_prompt_source(cfg.task, tokenizer, "train"))
+    load_user_code(cfg)
+    redis_buffer = make_buffer(cfg) if cfg.buffer.backend == "redis" else None
     started_ray = init_ray(cfg)
     actors: list[Any] = []
     pgs: list[PlacementGroup] = []
+    fleet: Fleet | None = None
     try:
         train_pg, rollout_pg = reserve_pools(cfg, learners=learners)
         pgs = list({id(p): p for p in (train_pg, rollout_pg) if p is not None}.values())
         buffer: ReplayBuffer
-        if cfg.buffer.backend == "memory":
+        if redis_buffer is None:
             # One queue for every process: the memory backend lives in an actor.
             buffer_actor = start_buffer_actor(cfg)
             actors.append(buffer_actor)
             buffer = RemoteBuffer(buffer_actor)
         else:
-            buffer = make_buffer(cfg)  # every process connects to the same Redis run
+            buffer = redis_buffer  # every process connects to the same Redis run
 
         learner_group: LearnerGroup | None = None
         endpoint: str | None = None
@@ -90,23 +102,30 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             announce = getattr(buffer, "announce_bus", None)
             if announce is not None:  # Redis: how a separate streamrl serve finds the bus
                 announce(endpoint)
-        replicas = [
-            ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
-                scheduling_strategy=in_bundle(rollout_pg, i), max_concurrency=1024,
-            ).remote(cfg, i, buffer, endpoint)
-            for i in range(cfg.rollout.num_replicas)
-        ] if rollout_pg is not None else []
-        actors.extend(replicas)
-        ray.get([r.setup.remote() for r in replicas])
-        if learner_group is not None and replicas:
-            ray.get(learner_group.actors[0].wait_for_receivers.remote(len(replicas)))
+
+        def spawn(index: int, holder: str) -> Any:
+            assert rollout_pg is not None
+            return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
+                scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
+            ).remote(cfg, index, buffer, endpoint, holder)
+
+        num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
+        fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
+                      loops=not serving)
+        ray.get([r.setup.remote() for r in fleet.replicas])
+        if learner_group is not None and num_replicas:
+            ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
+        fleet.supervise(Supervisor(cfg, fleet.members, buffer, spawn, loops=not serving,
+                                   lock=fleet.lock))
         yield Runtime(
             buffer=buffer, learner=learner_group,
             weight_bus=WeightBus(learner_group) if learner_group is not None else None,
-            fleet=Fleet(replicas, loops=not serving), pad_token_id=int(tokenizer.pad_token_id),
+            fleet=fleet, pad_token_id=int(tokenizer.pad_token_id),
             num_train_prompts=num_train_prompts, tokenizer=tokenizer, model_path=model_path,
         )
     finally:
+        if fleet is not None:
+            fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
         for actor in reversed(actors):
             try:
                 ray.get(actor.shutdown.remote(), timeout=ACTOR_SHUTDOWN_TIMEOUT_S)

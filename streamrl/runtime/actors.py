@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
 from streamrl.runtime.placement import pin_to_core
 
@@ -66,10 +66,23 @@ class LearnerActor:
             for _ in params:  # the other ranks take part in each gather
                 pass
             return {}
-        stats = self.publisher.publish(version, params)
+        from streamrl.weight_bus.base import ReceiverDied
+
+        start = time.perf_counter()
+        try:
+            nbytes, died = self.publisher.publish(version, params).nbytes, 0
+        except ReceiverDied as exc:
+            # A replica died mid-broadcast: its supervisor re-creates it (the new incarnation
+            # catches up as a late joiner); the survivors have this version or need it again.
+            if exc.survivors and not exc.recovered:
+                raise
+            log.warning("%s", exc)
+            nbytes, died = 0, len(exc.dead)
+        seconds = time.perf_counter() - start
         # A drain waits for in-flight groups to finish, which may take a whole generation.
         self.publisher.wait_loaded(version, timeout=self.cfg.buffer.take_timeout_s)
-        return {"weight_bus/seconds": stats.seconds, "weight_bus/bytes": float(stats.nbytes)}
+        return {"weight_bus/seconds": seconds, "weight_bus/bytes": float(nbytes),
+                "weight_bus/receivers_died": float(died)}
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
         return self.worker.save_checkpoint(step, extra)
@@ -90,11 +103,13 @@ class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
     def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer,
-                 bus_endpoint: str | None) -> None:
+                 bus_endpoint: str | None, holder: str | None = None) -> None:
+        """``holder``: the name this incarnation's admissions are counted under, so its
+        supervisor can give them back if it dies (``runtime.supervisor``)."""
         self.cfg = cfg
         self.model_path = cfg.model.path
         self.index = index
-        self.buffer = buffer
+        self.buffer = HeldBuffer(buffer, holder or f"replica-{index}")
         self.bus_endpoint = bus_endpoint
         self.replica: Any = None
         self.receiver: Any = None
@@ -164,6 +179,12 @@ class ReplicaActor:
 
     async def version(self) -> int:
         return int(self.engine.version)
+
+    async def health(self) -> dict[str, Any]:
+        """The supervisor's heartbeat: is the engine alive, how long have requests in flight
+        gone without one finishing, and the prompt cursor a replacement resumes from."""
+        return {"engine_ok": await self.engine.health(), "stalled_s": self.replica.stalled_s(),
+                "state": await self.state()}
 
     async def start(self) -> None:
         self.replica.start()

@@ -2,7 +2,8 @@
 
 - ``LearnerGroup``: SPMD learner ranks; every call goes to all ranks, rank 0 answers,
 - ``WeightBus``: ``publish(version)`` (ranks gather, rank 0 sends, replicas ack loaded),
-- ``Fleet``: the rollout replicas (start, stop, validate, counters, resume state),
+- ``Fleet``: the rollout replicas (start, stop, validate, counters, resume state), kept alive
+  by a ``supervisor.Supervisor``; ``failure`` says why the fleet cannot go on,
 - ``Runtime``: the four together (with the buffer) plus run facts the loop needs.
 
 The controller depends on these, never on Ray or the actor classes. Depends on batch and the
@@ -11,13 +12,19 @@ buffer protocol.
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from streamrl.batch import Batch
 from streamrl.buffer.base import ReplayBuffer
+from streamrl.runtime.supervisor import Member, Supervisor
+
+log = logging.getLogger(__name__)
 
 
 class LearnerGroup:
@@ -65,43 +72,116 @@ class WeightBus:
 
 class Fleet:
     """The rollout replicas, each a Ray actor running its continuous loop, or, in
-    ``streamrl serve`` (``loops=False``), answering the service's requests instead."""
+    ``streamrl serve`` (``loops=False``), answering the service's requests instead.
 
-    def __init__(self, replicas: list[Any], loops: bool = True) -> None:
-        self.replicas = replicas
+    Calls go to the live replicas only (one that died between two heartbeats is skipped: its
+    supervisor replaces it), so a replica's death never crashes the controller."""
+
+    def __init__(self, members: list[Member], loops: bool = True) -> None:
+        self.members = members
         self.loops = loops
+        self.lock = threading.RLock()
+        self.supervisor: Supervisor | None = None
+
+    @property
+    def replicas(self) -> list[Any]:
+        """The live replicas' actor handles."""
+        with self.lock:
+            return [m.actor for m in self.members if m.live]
+
+    def supervise(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        supervisor.start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the fleet cannot go on (a replica dead for good), or None."""
+        return self.supervisor.failure if self.supervisor is not None else None
+
+    def status(self) -> str:
+        """What the fleet is doing, for a message about a wait that ran out."""
+        if self.failure is not None:
+            return self.failure
+        live = sum(m.live for m in self.members)
+        down = [m.name for m in self.members if not m.live]
+        return (f"{live} of {len(self.members)} replicas live"
+                + (f" ({', '.join(down)} being re-created)" if down else ""))
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every live replica; the answers of those that are still alive."""
+        actors = self.replicas
+        results = []
+        for ref in [getattr(a, method).remote(*args) for a in actors]:
+            try:
+                results.append(ray.get(ref))
+            except RayActorError as exc:
+                log.warning("a replica died during %s (its supervisor replaces it): %s",
+                            method, str(exc).splitlines()[0] if str(exc) else exc)
+        return results
 
     def start(self) -> None:
         if self.loops:
-            ray.get([r.start.remote() for r in self.replicas])
+            self._each("start")
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.loops:
-            ray.get([r.stop.remote() for r in self.replicas])
+            self._each("stop")
 
     def validate(self) -> dict[str, float]:
-        if not self.replicas:
-            return {}
-        results = ray.get([r.validate.remote() for r in self.replicas[:1]])
-        return dict(results[0])
+        for actor in self.replicas:
+            try:
+                return dict(ray.get(actor.validate.remote()))
+            except RayActorError:
+                continue
+        return {}
 
     def metrics(self) -> dict[str, float]:
         """Replica counters summed over the fleet (``replica/<counter>``); rates and gauges
-        that do not add up (means, versions, timings) are averaged."""
-        per_replica: list[dict[str, float]] = ray.get([r.metrics.remote() for r in self.replicas])
+        that do not add up (means, versions, timings) are averaged. ``fleet/*``: live
+        replicas, re-creations, admissions given back by dead ones."""
+        per_replica: list[dict[str, float]] = self._each("metrics")
         out: dict[str, float] = {}
         for name in per_replica[0] if per_replica else ():
             values = [m[name] for m in per_replica]
             summed = name not in AVERAGED_COUNTERS
             out[f"replica/{name}"] = sum(values) if summed else sum(values) / len(values)
+        out["fleet/live_replicas"] = float(sum(m.live for m in self.members))
+        if self.supervisor is not None:
+            out["fleet/restarts"] = float(self.supervisor.restarts)
+            out["fleet/released_admissions"] = float(self.supervisor.released)
         return out
 
     def state(self) -> list[dict[str, Any]]:
-        return list(ray.get([r.state.remote() for r in self.replicas]))
+        # A replica being re-created is saved with the cursor of its last heartbeat.
+        with self.lock:
+            members = list(self.members)
+        states = []
+        for m in members:
+            try:
+                states.append(dict(ray.get(m.actor.state.remote())) if m.live else m.state)
+            except RayActorError:
+                states.append(m.state)
+        return states
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop supervising, shut every replica down (``timeout`` each) and kill its actor."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for m in self.members:
+            if m.live:
+                try:
+                    ray.get(m.actor.shutdown.remote(), timeout=timeout)
+                except Exception as exc:  # a dead replica must not stop the others' clean-up
+                    log.warning("%s: shutdown failed: %s", m.name, exc)
+            ray.kill(m.actor)
 
     def load_state(self, states: list[dict[str, Any]]) -> None:
         if states:
-            ray.get([r.load_state.remote(s) for r, s in zip(self.replicas, states)])
+            ray.get([m.actor.load_state.remote(s) for m, s in zip(self.members, states)])
+        for m, s in zip(self.members, states):
+            m.state = dict(s)
 
 
 AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "last_update_s"})

@@ -4,6 +4,7 @@
 - ``init_ray(cfg)``: start a local Ray (or join ``runtime.address``) with token auth on,
 - ``reserve_pools(cfg)``: placement groups — ``colocated``: learner rank i and replica i share
   bundle i; ``disaggregated``: a train pool and a rollout pool,
+- ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
 - ``pin_to_core(slot)``: optional core pinning (``runtime.pin_cpus``).
 
@@ -19,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from streamrl.config import Config
+from streamrl.errors import ConfigError
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -43,6 +45,37 @@ def init_ray(cfg: Config) -> bool:
         runtime_env={"env_vars": WORKER_ENV},
     )
     return True
+
+
+def check_fits(cfg: Config, *, learners: bool = True) -> None:
+    """Fail at once when the pools ``reserve_pools`` would ask for exceed the CPUs of the
+    cluster ``init_ray`` starts or reuses (a cluster to join is sized only once joined)."""
+    rt = cfg.runtime
+    if ray.is_initialized():
+        have = ray.cluster_resources().get("CPU", 0.0)
+    elif rt.address is None:
+        # Ray's own count (cgroup limits included): what ray.init would use.
+        have = rt.num_cpus if rt.num_cpus is not None else ray._private.utils.get_num_cpus()
+    else:
+        return
+    world = cfg.learner.world_size if learners else 0
+    replicas = cfg.rollout.num_replicas
+    learner_cpus, replica_cpus = (f"runtime.cpus_per_learner={rt.cpus_per_learner:g}",
+                                  f"runtime.cpus_per_replica={rt.cpus_per_replica:g}")
+    if rt.placement == "colocated" and world and replicas:
+        needed = max(world, replicas) * (rt.cpus_per_learner + rt.cpus_per_replica)
+        how = (f"max(learner.world_size={world}, rollout.num_replicas={replicas}) x "
+               f"({learner_cpus} + {replica_cpus})")
+    else:
+        needed = world * rt.cpus_per_learner + replicas * rt.cpus_per_replica
+        how = (f"{world} learner rank(s) x {learner_cpus} + rollout.num_replicas={replicas} x "
+               f"{replica_cpus}")
+    if round(needed, 4) > have:  # Ray counts CPUs in 1e-4 units: 3 x 0.1 fits 0.3
+        raise ConfigError(
+            f"the pools need {needed:g} CPUs, the Ray cluster has {have:g} (runtime."
+            f"num_cpus={'null' if rt.num_cpus is None else rt.num_cpus}): {how}: lower "
+            "runtime.cpus_per_replica / runtime.cpus_per_learner (fractions such as 0.5 share a "
+            "core), or raise runtime.num_cpus")
 
 
 def reserve_pools(cfg: Config, *, learners: bool = True

@@ -84,8 +84,7 @@ def run_serve(cfg: Config) -> int:
         raise ConfigError("rollout.num_replicas=0: streamrl serve needs at least one replica")
     train = cfg.serve.train
     with build_runtime(cfg, learners=train, serving=True) as rt:
-        router = Router([ActorBackend(a, f"replica-{i}") for i, a in
-                         enumerate(rt.fleet.replicas)])
+        router = Router([ActorBackend(m) for m in rt.fleet.members])
         store = EpisodeStore(rt.buffer, ChatRenderer(rt.tokenizer), ttl_s=cfg.serve.episode_ttl_s,
                              group_timeout_s=cfg.serve.group_timeout_s)
         name = cfg.serve.model_name or Path(rt.model_path).name

@@ -31,11 +31,16 @@ class Backend(Protocol):
 
 
 class ActorBackend:
-    """A replica Ray actor (``runtime.actors.ReplicaActor``)."""
+    """A replica Ray actor (``runtime.actors.ReplicaActor``) of a fleet member: calls go to the
+    member's current incarnation (its supervisor re-creates it after a death)."""
 
-    def __init__(self, actor: Any, name: str) -> None:
-        self.actor = actor
-        self.name = name
+    def __init__(self, member: Any) -> None:
+        self.member = member
+        self.name = member.name
+
+    @property
+    def actor(self) -> Any:
+        return self.member.actor
 
     async def sample(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                      on_tokens: TokenSink | None = None) -> Completion:

@@ -10,7 +10,9 @@ learner that takes B groups per step, acks them and bumps its version. After eve
 - no deadlock: capacity(V) - consumed >= B, and the ``learner_waits`` rule shows it
   operationally (finish in-flight groups, admit new ones, until the learner is served; a
   refused admission while the learner still waits fails the test);
-- with replicas in sync that finish in admission order, nothing is ever dropped.
+- with replicas in sync that finish in admission order, nothing is ever dropped;
+- a replica that dies (``release`` of its holder) gives back exactly the slots it held, and a
+  late put from it still keeps the accounting exact.
 
 The same machine runs against the memory backend and (fewer examples) the Redis backend.
 """
@@ -37,6 +39,7 @@ from streamrl.buffer.memory import MemoryBuffer
 from streamrl.testing import make_group
 
 Factory = Callable[[int, int], ReplayBuffer]
+HOLDERS = st.sampled_from(["", "replica-0.0", "replica-1.0"])
 
 
 class BufferMachine(RuleBasedStateMachine):
@@ -47,7 +50,8 @@ class BufferMachine(RuleBasedStateMachine):
         super().__init__()
         self.buf: ReplayBuffer | None = None
         self.version = 0
-        self.in_flight: list[int] = []  # replica weight version at admission, admission order
+        # (holder, replica weight version at admission), in admission order
+        self.in_flight: list[tuple[str, int]] = []
         self.taken: set[str] = set()
 
     @initialize(b=st.integers(1, 3), eta=st.integers(0, 2))
@@ -57,35 +61,44 @@ class BufferMachine(RuleBasedStateMachine):
         self.buf = type(self).factory(b, eta)
 
     # -- replicas -------------------------------------------------------------------------
-    def _admit(self, lag: int) -> bool:
+    def _admit(self, lag: int, holder: str = "") -> bool:
         started = self.buf.stats().started
-        ok = self.buf.try_admit()
+        ok = self.buf.try_admit(holder)
         assert ok == self.adm.may_start(started, self.version), (started, self.version)
         if ok:
-            self.in_flight.append(max(0, self.version - (0 if self.synced else lag)))
+            self.in_flight.append((holder, max(0, self.version - (0 if self.synced else lag))))
         return ok
 
-    @rule(lag=st.integers(0, 4))
-    def admit(self, lag: int) -> None:
-        self._admit(lag)
+    @rule(lag=st.integers(0, 4), holder=HOLDERS)
+    def admit(self, lag: int, holder: str) -> None:
+        self._admit(lag, holder)
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
-        self.buf.cancel_admission()
+        holder, _ = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
+        self.buf.cancel_admission(holder)
+
+    @rule(holder=HOLDERS, late_put=st.booleans())
+    def replica_dies(self, holder: str, late_put: bool) -> None:
+        """The supervisor releases a dead replica's slots; a hung one may still put later."""
+        held = [entry for entry in self.in_flight if entry[0] == holder]
+        self.in_flight = [entry for entry in self.in_flight if entry[0] != holder]
+        assert self.buf.release(holder) == len(held)
+        if late_put and held and not self.synced:  # synced: nothing may be dropped
+            self.buf.put(make_group([held[0][1]]), holder)
 
     def _finish(self, data: st.DataObject) -> None:
         """A replica puts one in-flight group; weights may have been swapped mid-group."""
         i = 0 if self.synced else data.draw(st.integers(0, len(self.in_flight) - 1))
-        start = self.in_flight.pop(i)
+        holder, start = self.in_flight.pop(i)
         # Tokens after an in-flight swap carry newer versions; the first stays the start view.
         later = data.draw(st.lists(st.integers(start, self.version), max_size=3))
         group = make_group([start, *sorted(later)])
         produced = self.buf.stats().produced
-        self.buf.put(group)
+        self.buf.put(group, holder)
         if data.draw(st.booleans()):
-            self.buf.put(group)  # a retried put is a no-op
+            self.buf.put(group, holder)  # a retried put is a no-op
         assert self.buf.stats().produced == produced + 1
 
     @precondition(lambda self: self.in_flight)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.config import TaskConfig
+from streamrl.config import ConfigError, TaskConfig
 from streamrl.data import PromptStream, make_prompt_source
 from streamrl.data.base import ListPromptSource, Prompt
 from streamrl.data.toy import cross_reward, digit_token_ids, toy_reward
@@ -81,7 +81,7 @@ def test_parquet_without_usable_rows_is_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="no usable training prompt"):
         make_prompt_source(cfg, tokenizer, "train")
     missing = TaskConfig(source="parquet", train_files=(str(tmp_path / "nope.parquet"),))
-    with pytest.raises(FileNotFoundError, match=r"nope\.parquet"):
+    with pytest.raises(ConfigError, match=r"task.train_files: .*nope\.parquet"):
         make_prompt_source(missing, tokenizer, "train")
 
 

@@ -326,7 +326,7 @@ def test_make_agent_loads_builtins_import_paths_and_files(tokenizer, tmp_path: P
     assert load_object(f"{file}:Mine", "rollout.agent").__name__ == "Mine"
     with pytest.raises(TypeError, match="not a subclass"):
         make_agent(RolloutConfig(agent="tests.rollout_fleet.test_agent_parts:add"), tokenizer)
-    with pytest.raises(AttributeError, match="defines no 'Nope'"):
+    with pytest.raises(ConfigError, match="defines no 'Nope'"):
         load_object(f"{file}:Nope", "rollout.agent")
     no_template = SimpleNamespace(chat_template=None)
     with pytest.raises(ValueError, match="chat template"):

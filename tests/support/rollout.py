@@ -21,17 +21,20 @@ class ListBuffer(ReplayBuffer):
         self.groups: list[Group] = []
         self.version = 0
 
-    def try_admit(self) -> bool:
+    def try_admit(self, holder: str = "") -> bool:
         if self.started >= self.capacity:
             return False
         self.started += 1
         return True
 
-    def cancel_admission(self) -> None:
+    def cancel_admission(self, holder: str = "") -> None:
         self.started -= 1
         self.given_back += 1
 
-    def put(self, group: Group) -> None:
+    def release(self, holder: str) -> int:
+        raise NotImplementedError("not used by replicas")
+
+    def put(self, group: Group, holder: str = "") -> None:
         self.groups.append(group)
 
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:

@@ -17,12 +17,12 @@ never talks to an engine or the buffer.
 
 from __future__ import annotations
 
-import importlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from streamrl.config import RolloutConfig
-from streamrl.plugins import import_file
+from streamrl.errors import ConfigError
+from streamrl.plugins import import_file, import_module
 from streamrl.rollout_fleet.agent.env import AssistantTurn, Environment, Message, StepResult
 from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
 from streamrl.rollout_fleet.agent.loop import Agent, Episode, Sampler, run_episode
@@ -49,19 +49,20 @@ TOOL_THREADS = 16
 
 
 def load_object(spec: str, key: str) -> Any:
-    """``package.module:attr`` (imported) or ``path/to/file.py:attr`` (loaded by path)."""
+    """``package.module:attr`` (imported) or ``path/to/file.py:attr`` (loaded by path); a spec
+    that does not load is a ConfigError naming ``key``."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"{key}={spec!r}: expected 'package.module:name' or 'file.py:name'")
+        raise ConfigError(f"{key}={spec!r}: expected 'package.module:name' or 'file.py:name'")
     if target.endswith(".py"):
         module = import_file(target, f"{key}={spec!r}")
     else:
-        module = importlib.import_module(target)
+        module = import_module(target, f"{key}={spec!r}")
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
-            raise AttributeError(f"{key}={spec!r}: {target} defines no {attr!r}")
+            raise ConfigError(f"{key}={spec!r}: {target} defines no {attr!r}")
     return obj
 
 

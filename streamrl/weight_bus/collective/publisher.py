@@ -145,7 +145,7 @@ class CollectivePublisher(WeightPublisher):
             self._version, self._cache = version, cache
             self.control.set_current(version, manifest)
             if failure is not None:
-                self._recover(members, version, failure)
+                self._recover(members, version, publish_id, failure)
             self.needs_republish = False
             return PublishStats(
                 version=version, nbytes=manifest.total_bytes,
@@ -243,20 +243,26 @@ class CollectivePublisher(WeightPublisher):
         assert self._cache is not None
         self._send(targets, self._version, uuid.uuid4().hex, iter(self._cache), sent=_noop)
 
-    def _identify_dead(self, members: tuple[str, ...]) -> dict[str, str]:
-        """Wait (at most one liveness window) for heartbeats to show who died."""
+    def _identify_lost(self, members: tuple[str, ...], publish_id: str) -> dict[str, str]:
+        """Wait (at most one liveness window) for heartbeats to show who died. If nobody did,
+        the receivers that acked ``failed`` are the lost ones (one whose engine died stays
+        alive); survivors of a death also ack ``failed`` (their generation was aborted), so
+        the dead are looked for first."""
         deadline = time.monotonic() + self.control.dead_after_s + 0.5
-        while True:
-            dead = self.control.dead_among(members)
-            if dead or time.monotonic() > deadline:
+        while time.monotonic() <= deadline:
+            if dead := self.control.dead_among(members):
                 return dead
             time.sleep(0.05)
+        return {rid: f"failed to receive: {err}"
+                for rid, err in self.control.failed_acks(publish_id).items()}
 
-    def _recover(self, members: tuple[str, ...], version: int, failure: Exception) -> None:
-        """After a failed broadcast: abort the generation, name the dead, serve the survivors."""
+    def _recover(self, members: tuple[str, ...], version: int, publish_id: str,
+                 failure: Exception) -> None:
+        """After a failed broadcast: abort the generation, name the lost, serve the survivors."""
         generation = self._generation
         self._drop_group(f"publish of version {version} failed: {failure}")
-        dead = failure.dead if isinstance(failure, _Dead) else self._identify_dead(members)
+        dead = (failure.dead if isinstance(failure, _Dead)
+                else self._identify_lost(members, publish_id))
         self.control.forget(dead)
         survivors = [m for m in members if m not in dead]
         recovered = False

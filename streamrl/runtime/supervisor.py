@@ -1,0 +1,199 @@
+"""Replica supervision: a dead or hung replica is noticed within seconds, the admissions it held
+are given back, and it is re-created; when it cannot be, the run stops naming it and the cause.
+
+A thread in the driver checks every replica each ``runtime.heartbeat_s`` (``ReplicaActor
+.health``). A replica is replaced when:
+
+- its actor died (Ray raises ``RayActorError`` for the call: kill -9, OOM, a crash),
+- its engine core died (``health`` reports the engine unhealthy),
+- it is hung: it has not answered its heartbeat, or has held requests in flight without one
+  finishing, for ``runtime.stall_timeout_s``.
+
+Replacing: kill the actor (a hung one must not put late), ``buffer.release`` its holder (exactly
+the slots that incarnation held: the staleness accounting stays exact), then, after a backoff,
+start a new incarnation in the same placement bundle, resume its prompt cursor, wait until the
+weight bus has given it the current weights (the publisher's late-joiner catch-up) and start its
+loop. Each replica may be re-created ``runtime.max_restarts`` times; past that, or when creating
+it fails that often, ``failure`` names the replica and the cause and the controller stops.
+
+Depends on the buffer protocol and Ray; the controller sees it only through ``Fleet``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from streamrl.buffer.base import ReplayBuffer
+from streamrl.config import Config
+
+log = logging.getLogger(__name__)
+BACKOFF_CAP_S = 30.0
+
+
+def holder_name(index: int, incarnation: int) -> str:
+    return f"replica-{index}.{incarnation}"
+
+
+@dataclass
+class Member:
+    """One replica position of the fleet and the incarnation that fills it now."""
+
+    index: int
+    actor: Any
+    incarnation: int = 0
+    restarts: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+    """Its prompt cursor as of the last heartbeat (a replacement resumes there)."""
+    silent_since: float | None = None
+    live: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"replica-{self.index}"
+
+    @property
+    def holder(self) -> str:
+        return holder_name(self.index, self.incarnation)
+
+
+Spawn = Callable[[int, str], Any]
+"""(replica index, holder) -> a new ReplicaActor handle, placed in that replica's bundle."""
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, members: list[Member], buffer: ReplayBuffer, spawn: Spawn,
+                 loops: bool, lock: threading.RLock) -> None:
+        self.cfg = cfg
+        self.members = members
+        self.buffer = buffer
+        self.spawn = spawn
+        self.loops = loops
+        self.lock = lock  # shared with Fleet: a member is swapped while no call uses it
+        self.failure: str | None = None
+        self.restarts = 0
+        self.released = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="replica-supervisor",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.runtime.heartbeat_s + 60)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.cfg.runtime.heartbeat_s):
+            for member in list(self.members):
+                if self._stop.is_set():
+                    return
+                if not member.live:
+                    continue
+                cause = self.probe(member)
+                if cause is not None:
+                    self.replace(member, cause)
+
+    def probe(self, member: Member) -> str | None:
+        """None if ``member`` is healthy, else why it must be replaced."""
+        rt = self.cfg.runtime
+        try:
+            health = ray.get(member.actor.health.remote(), timeout=rt.heartbeat_s)
+        except RayActorError as exc:
+            return f"its actor died ({_first_line(exc)})"
+        except GetTimeoutError:
+            now = time.monotonic()
+            member.silent_since = member.silent_since or now
+            if now - member.silent_since >= rt.stall_timeout_s:
+                return (f"it answered no heartbeat for {now - member.silent_since:.0f} s "
+                        f"(runtime.stall_timeout_s={rt.stall_timeout_s})")
+            return None
+        member.silent_since = None
+        member.state = dict(health["state"])
+        if not health["engine_ok"]:
+            return "its engine core died"
+        if health["stalled_s"] >= rt.stall_timeout_s:
+            return (f"it held requests for {health['stalled_s']:.0f} s without finishing one "
+                    f"(runtime.stall_timeout_s={rt.stall_timeout_s})")
+        return None
+
+    def replace(self, member: Member, cause: str) -> None:
+        """Kill ``member``'s incarnation, give back its admissions, and re-create it."""
+        rt = self.cfg.runtime
+        with self.lock:
+            member.live = False
+        ray.kill(member.actor, no_restart=True)
+        released = self.buffer.release(member.holder)
+        self.released += released
+        log.error("%s: %s; %d admission(s) it held given back", member.name, cause, released)
+        while member.restarts < rt.max_restarts and not self._stop.is_set():
+            member.restarts += 1
+            self.restarts += 1
+            backoff = min(BACKOFF_CAP_S, 2.0 ** (member.restarts - 1))
+            log.warning("%s: re-creating it in %.0f s (restart %d of runtime.max_restarts=%d)",
+                        member.name, backoff, member.restarts, rt.max_restarts)
+            if self._stop.wait(backoff):
+                return
+            try:
+                actor = self._start(member)
+            except Exception as exc:
+                cause = f"re-creating it failed: {_first_line(exc)}"
+                log.error("%s: %s", member.name, cause)
+                continue
+            with self.lock:
+                member.actor, member.live = actor, True
+            log.warning("%s: re-created (incarnation %d) and producing again", member.name,
+                        member.incarnation)
+            return
+        if not self._stop.is_set():
+            self.failure = (f"{member.name} {cause}, and runtime.max_restarts={rt.max_restarts} "
+                            "re-creations are used up")
+            log.error("%s", self.failure)
+
+    def _start(self, member: Member) -> Any:
+        """A new incarnation of ``member``: set up, at the current weights, loop started."""
+        timeout = self.cfg.runtime.stall_timeout_s
+        member.incarnation += 1
+        actor = self.spawn(member.index, member.holder)
+        try:
+            ray.get(actor.setup.remote(), timeout=timeout)
+            if member.state:
+                ray.get(actor.load_state.remote(member.state), timeout=timeout)
+            self._wait_for_weights(actor, member)
+            if self.loops:
+                ray.get(actor.start.remote(), timeout=timeout)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        return actor
+
+    def _wait_for_weights(self, actor: Any, member: Member) -> None:
+        """Until the new incarnation serves the newest published weights (at most
+        ``weight_bus.timeout_s``): groups sampled from older ones would be dropped as stale."""
+        every = self.cfg.weight_bus.sync_every
+        published = self.buffer.stats().learner_version // every * every
+        deadline = time.monotonic() + self.cfg.weight_bus.timeout_s
+        while (version := int(ray.get(actor.version.remote(), timeout=60))) < published:
+            if time.monotonic() > deadline:  # e.g. NCCL: no late-joiner copy, next publish
+                log.warning("%s: still at weight version %d, the learner published %d; "
+                            "starting it anyway (its first groups may be dropped as stale)",
+                            member.name, version, published)
+                return
+            time.sleep(0.2)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -1,0 +1,111 @@
+"""Replica supervision end to end: a real `streamrl train` whose only replica is killed twice.
+
+The first kill -9 of the replica actor is noticed within seconds, the admissions it held are
+given back and a new incarnation rejoins the weight bus and produces, so training goes on. With
+``runtime.max_restarts=1`` the second kill cannot be repaired: the run stops with exit code 3 and
+one line naming the replica and the cause, within 60 s. Afterwards none of the run's processes
+(Ray's, the replica actors', vLLM engine cores, reward pool workers) is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+RUN_TIMEOUT_S = 420
+
+
+def steps_logged(metrics: Path) -> list[dict[str, Any]]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout} s; log tail:\n"
+                               f"{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.2)
+    return value
+
+
+def replica_actor(driver: psutil.Process) -> psutil.Process | None:
+    for p in driver.children(recursive=True):
+        try:
+            if p.cmdline()[:1] == ["ray::ReplicaActor"]:
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    metrics = out / "metrics.jsonl"
+    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
+            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
+            f"trainer.output_dir={out}", "runtime.max_restarts=1", "runtime.heartbeat_s=1"]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    driver = psutil.Process(proc.pid)
+    family: set[psutil.Process] = set()
+    try:
+        first = wait_for(lambda: replica_actor(driver), 240, "a replica actor", log)
+        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log)
+        family |= set(driver.children(recursive=True))
+        first.kill()
+
+        # Recovered: a new incarnation produces and the learner takes more steps with it.
+        second = wait_for(lambda: (a := replica_actor(driver)) is not None and a.pid != first.pid
+                          and a, 120, "a re-created replica", log)
+        stepped = len(steps_logged(metrics))
+        wait_for(lambda: len(steps_logged(metrics)) >= stepped + 3, 180,
+                 "3 steps after the re-creation", log)
+        last = steps_logged(metrics)[-1]
+        assert last["fleet/restarts"] == 1 and last["fleet/live_replicas"] == 1
+        family |= set(driver.children(recursive=True))
+
+        # Hopeless: restarts used up, the run stops with one line naming replica and cause.
+        second.kill()
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+        stopped_after_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert "replica-0: its actor died" in text and "re-created (incarnation 1)" in text
+    assert code == 3, text[-3000:]
+    assert stopped_after_s < 60, stopped_after_s
+    # The driver's own lines (Ray prefixes those forwarded from workers with their pid).
+    driver_lines = [line for line in text.split("re-created (incarnation 1)")[-1].splitlines()
+                    if "pid=" not in line]
+    assert not [line for line in driver_lines if "Traceback" in line], text[-3000:]
+    stopped = [line for line in driver_lines if line.startswith("streamrl: run stopped:")]
+    assert len(stopped) == 1 and stopped[0] in driver_lines[-5:], driver_lines[-10:]
+    assert stopped[0].startswith("streamrl: run stopped: replica-0 its actor died"), stopped
+    assert "runtime.max_restarts=1" in stopped[0], stopped
+
+    # Nothing of the run outlives it.
+    deadline = time.monotonic() + 30
+    while (left := [p for p in family if p.is_running() and p.status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
