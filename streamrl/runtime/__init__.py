@@ -33,7 +33,7 @@ from streamrl.net import free_port
 from streamrl.rollout_fleet import load_user_code
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
-from streamrl.runtime.supervisor import Member, Supervisor, holder_name
+from streamrl.runtime.supervisor import Member, Supervisor, first_line, holder_name
 
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
@@ -130,7 +130,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             try:
                 ray.get(actor.shutdown.remote(), timeout=ACTOR_SHUTDOWN_TIMEOUT_S)
             except Exception as exc:  # a dead actor must not stop the others' clean-up
-                log.warning("actor shutdown failed: %s", exc)
+                log.warning("actor shutdown failed: %s", first_line(exc))
             ray.kill(actor)
         for pg in pgs:
             remove_placement_group(pg)

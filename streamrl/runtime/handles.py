@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError
 
 from streamrl.batch import Batch
 from streamrl.buffer.base import ReplayBuffer
-from streamrl.runtime.supervisor import Member, Supervisor
+from streamrl.errors import RunStopped
+from streamrl.runtime.supervisor import Member, Supervisor, first_line
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,20 @@ class LearnerGroup:
         self.actors = actors
 
     def _all(self, method: str, *args: Any) -> Any:
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])[0]
+        """Rank 0's answer. A rank that dies stops the run at once, naming it: the other ranks
+        would wait in a collective for it until their own timeout."""
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except RayActorError as exc:
+                rank = refs.index(done[0])
+                raise RunStopped(
+                    f"learner rank {rank} died during {method} ({first_line(exc)}); "
+                    "trainer.resume=auto continues from the last checkpoint") from None
+        return ray.get(refs[0])
 
     @property
     def version(self) -> int:
@@ -116,7 +130,7 @@ class Fleet:
                 results.append(ray.get(ref))
             except RayActorError as exc:
                 log.warning("a replica died during %s (its supervisor replaces it): %s",
-                            method, str(exc).splitlines()[0] if str(exc) else exc)
+                            method, first_line(exc))
         return results
 
     def start(self) -> None:
@@ -174,7 +188,7 @@ class Fleet:
                 try:
                     ray.get(m.actor.shutdown.remote(), timeout=timeout)
                 except Exception as exc:  # a dead replica must not stop the others' clean-up
-                    log.warning("%s: shutdown failed: %s", m.name, exc)
+                    log.warning("%s: shutdown failed: %s", m.name, first_line(exc))
             ray.kill(m.actor)
 
     def load_state(self, states: list[dict[str, Any]]) -> None:

@@ -112,7 +112,7 @@ class Supervisor:
         try:
             health = ray.get(member.actor.health.remote(), timeout=rt.heartbeat_s)
         except RayActorError as exc:
-            return f"its actor died ({_first_line(exc)})"
+            return f"its actor died ({first_line(exc)})"
         except GetTimeoutError:
             now = time.monotonic()
             member.silent_since = member.silent_since or now
@@ -149,7 +149,7 @@ class Supervisor:
             try:
                 actor = self._start(member)
             except Exception as exc:
-                cause = f"re-creating it failed: {_first_line(exc)}"
+                cause = f"re-creating it failed: {first_line(exc)}"
                 log.error("%s: %s", member.name, cause)
                 continue
             with self.lock:
@@ -194,6 +194,6 @@ class Supervisor:
             time.sleep(0.2)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -175,3 +175,35 @@ def test_bad_custom_path_fails_at_construction(tmp_path):
         make_reward_scorer(cfg)
     with pytest.raises(RewardConfigError, match="no such file"):
         make_reward_scorer(RewardConfig(name="custom", custom_path=str(tmp_path / "nope.py")))
+
+
+def test_reward_processes_die_with_their_replica_even_on_kill_9():
+    """The fork server and its workers must not outlive the process that started them, even
+    when it is SIGKILLed and runs no clean-up (the orphans a killed run used to leave)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import time
+            from streamrl.config import RewardConfig
+            from streamrl.rollout_fleet.rewards import make_reward_scorer
+            scorer = make_reward_scorer(RewardConfig(num_workers=2))
+            print("ready", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "ready"
+        children = psutil.Process(owner.pid).children(recursive=True)
+        assert len(children) >= 3  # the fork server and two workers
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+    finally:
+        if owner.poll() is None:
+            owner.kill()

@@ -13,11 +13,24 @@ precedence under ``auto`` and ``custom``, like verl's ``custom_reward_function``
 
 from __future__ import annotations
 
+import ctypes
 import math
 import numbers
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op):
+    reward processes must not outlive their replica, however it ends (kill -9 included)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 GSM8K_SOURCES = frozenset({"openai/gsm8k", "gsm8k"})
 MATH_SOURCES = frozenset({

@@ -37,7 +37,7 @@ from typing import Any
 
 from streamrl.config import RewardConfig
 from streamrl.rollout_fleet.rewards import dispatch
-from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec
+from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Preloading the (light) dispatch module in the fork server makes replacement workers
-        # start in milliseconds. Ignored if the fork server is already running.
-        ctx.set_forkserver_preload(["streamrl.rollout_fleet.rewards.dispatch"])
+        # start in milliseconds; the preload also ties the fork server's life to its parent's.
+        # Ignored if the fork server is already running.
+        ctx.set_forkserver_preload(["streamrl.rollout_fleet.rewards.fork_server"])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -63,7 +64,8 @@ class _Worker:
     """One worker process behind a one-process executor."""
 
     def __init__(self, ctx: multiprocessing.context.BaseContext, spec: ScorerSpec) -> None:
-        self.executor = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+        self.executor = ProcessPoolExecutor(max_workers=1, mp_context=ctx,
+                                            initializer=die_with_parent)
         self.ready: Future[int] = self.executor.submit(dispatch.warmup, spec)
 
     def kill(self) -> None:
