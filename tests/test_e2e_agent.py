@@ -36,7 +36,10 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize(("mode", "eta"), [("sync", 0), ("one_step_off", 1), ("fully_async", 1)])
+# one_step_off runs by hand (-m manual) to keep the suite within 25 minutes: the agent loop is
+# the same code in every mode, and the single-turn end-to-end test runs all three in CI.
+@pytest.mark.parametrize(("mode", "eta"), [
+    ("sync", 0), pytest.param("one_step_off", 1, marks=pytest.mark.manual), ("fully_async", 1)])
 def test_agent_learns_to_condition_on_observations(
     mode: str, eta: int, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
