@@ -214,6 +214,9 @@ class BufferConfig:
     max_staleness: int = FULLY_ASYNC_DEFAULT_STALENESS
     """The staleness bound eta; fixed by trainer.mode (MODE_PRESETS) except in fully_async."""
     take_timeout_s: float = 600.0
+    redis_outage_s: float = 60.0
+    """How long Redis calls retry through a restart or outage (reconnecting with backoff)
+    before the run stops with an error naming buffer.redis_url."""
 
 
 @dataclass(frozen=True)
@@ -376,8 +379,9 @@ def validate(cfg: Config) -> Config:
         "actor.ppo_max_token_len", "actor.ppo_epochs", "actor.optim.lr", "learner.world_size",
         "weight_bus.bucket_mb", "weight_bus.timeout_s", "weight_bus.sync_every",
         "trainer.total_steps", "rollout.temperature", "reward.timeout_s", "reward.num_workers",
-        "buffer.take_timeout_s", "serve.max_tokens", "serve.max_body_bytes",
-        "serve.episode_ttl_s", "serve.group_timeout_s", "serve.shutdown_timeout_s",
+        "buffer.take_timeout_s", "buffer.redis_outage_s", "serve.max_tokens",
+        "serve.max_body_bytes", "serve.episode_ttl_s", "serve.group_timeout_s",
+        "serve.shutdown_timeout_s",
         "task.size", "runtime.cpus_per_replica", "runtime.cpus_per_learner", "critic.ppo_epochs",
         "runtime.heartbeat_s", "runtime.stall_timeout_s",
     ])

@@ -31,5 +31,6 @@ def make_buffer(cfg: Config) -> ReplayBuffer:
     if backend == "redis":
         from streamrl.buffer.redis import RedisBuffer
 
-        return RedisBuffer(cfg.buffer.redis_url, cfg.buffer.run, groups_per_step, max_staleness)
+        return RedisBuffer(cfg.buffer.redis_url, cfg.buffer.run, groups_per_step, max_staleness,
+                           outage_s=cfg.buffer.redis_outage_s)
     raise ValueError(f"buffer.backend={backend!r}: expected one of {', '.join(BACKENDS)}")

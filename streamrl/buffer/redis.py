@@ -37,28 +37,46 @@ XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 import streamrl.buffer.redis_scripts as lua
 from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
-from streamrl.errors import ConfigError
+from streamrl.errors import ConfigError, RunStopped
 from streamrl.types import DecodeError, Group, decode, encode
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 
 CONSUMER_GROUP = "learners"
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
 CONNECT_TIMEOUT_S = 5.0
+RETRY_BACKOFF_CAP_S = 1.0
+
+
+def _outage_is_fatal(method: F) -> F:
+    """A Redis that stays unreachable longer than the client's retries (``outage_s``) stops
+    the run with one line naming the URL, instead of a redis-py traceback."""
+    @functools.wraps(method)
+    def wrapper(self: RedisBuffer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise RunStopped(f"buffer.redis_url={self._url!r}: Redis unreachable for "
+                             f"buffer.redis_outage_s={self.outage_s:g} ({exc})") from None
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -103,7 +121,10 @@ class RedisBuffer(ReplayBuffer):
         claim_idle_s: float = 60.0,
         trim_acked: bool = True,
         client: redis.Redis | None = None,
+        outage_s: float = 60.0,
     ) -> None:
+        """``outage_s``: how long every call retries (reconnecting, backing off up to
+        ``RETRY_BACKOFF_CAP_S``) through a Redis restart or outage before the run stops."""
         self.admission = Admission(groups_per_step, max_staleness)
         if claim_idle_s < 0:
             raise ValueError(f"claim_idle_s={claim_idle_s}: must be >= 0")
@@ -113,7 +134,8 @@ class RedisBuffer(ReplayBuffer):
         self.claim_idle_ms = int(claim_idle_s * 1000)
         self.trim_acked = trim_acked
         self._url = redis_url
-        self._r = client if client is not None else _connect(redis_url)
+        self.outage_s = outage_s
+        self._r = client if client is not None else _connect(redis_url, outage_s)
         s = self._r.register_script
         self._admit, self._cancel, self._put = s(lua.ADMIT), s(lua.CANCEL), s(lua.PUT)
         self._release = s(lua.RELEASE)
@@ -133,7 +155,7 @@ class RedisBuffer(ReplayBuffer):
         learner-side state (held and outstanding entries) stays with the sender."""
         b, eta = self.admission.groups_per_step, self.admission.max_staleness
         return (RedisBuffer, (self._url, self.run, b, eta, self.consumer, (),
-                              self.claim_idle_ms / 1000, self.trim_acked))
+                              self.claim_idle_ms / 1000, self.trim_acked, None, self.outage_s))
 
     def _init_keys(self) -> None:
         b, eta = self.admission.groups_per_step, self.admission.max_staleness
@@ -153,18 +175,22 @@ class RedisBuffer(ReplayBuffer):
             )
 
     # -- replicas -------------------------------------------------------------------------
+    @_outage_is_fatal
     def try_admit(self, holder: str = "") -> bool:
         return bool(self._admit(keys=[self.keys.stats, self.keys.holders], args=[holder]))
 
+    @_outage_is_fatal
     def cancel_admission(self, holder: str = "") -> None:
         try:
             self._cancel(keys=[self.keys.stats, self.keys.holders], args=[holder])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
 
+    @_outage_is_fatal
     def release(self, holder: str) -> int:
         return int(self._release(keys=[self.keys.stats, self.keys.holders], args=[holder]))
 
+    @_outage_is_fatal
     def put(self, group: Group, holder: str = "") -> None:
         if not isinstance(group, Group):
             raise TypeError(f"put: expected a Group, got {type(group).__name__}")
@@ -176,6 +202,7 @@ class RedisBuffer(ReplayBuffer):
         )
 
     # -- learner --------------------------------------------------------------------------
+    @_outage_is_fatal
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
         if n <= 0:
             raise ValueError(f"take: n={n} must be > 0")
@@ -279,6 +306,7 @@ class RedisBuffer(ReplayBuffer):
             args=[eid, kind, reason, CONSUMER_GROUP],
         )
 
+    @_outage_is_fatal
     def ack(self, group_ids: list[str]) -> None:
         with self._lock:
             unknown = [gid for gid in group_ids if gid not in self._outstanding]
@@ -302,12 +330,14 @@ class RedisBuffer(ReplayBuffer):
             minid = f"{ms}-{int(seq) + 1}"
         self._r.xtrim(self.keys.groups, minid=minid, approximate=False)
 
+    @_outage_is_fatal
     def set_version(self, learner_version: int) -> None:
         try:
             self._set_version(keys=[self.keys.stats], args=[learner_version, 1])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
 
+    @_outage_is_fatal
     def rebase(
         self,
         learner_version: int,
@@ -347,6 +377,7 @@ class RedisBuffer(ReplayBuffer):
                 args=[learner_version, consumed, in_flight, b, eta],
             )
 
+    @_outage_is_fatal
     def stats(self) -> BufferStats:
         h = {_s(k): _s(v) for k, v in self._r.hgetall(self.keys.stats).items()}
         return BufferStats(
@@ -363,12 +394,14 @@ class RedisBuffer(ReplayBuffer):
             last_update_ts=float(h.get("last_update_ts", 0.0)),
         )
 
+    @_outage_is_fatal
     def announce_bus(self, endpoint: str) -> None:
         """Record the trainer's weight-bus endpoint: a ``streamrl serve`` process sharing this
         run connects its replicas to it (and reconnects when a restarted trainer announces a
         new one)."""
         self._r.hset(self.keys.stats, "bus_endpoint", endpoint)
 
+    @_outage_is_fatal
     def bus_endpoint(self) -> str | None:
         value = self._r.hget(self.keys.stats, "bus_endpoint")
         return _s(value) if value is not None else None
@@ -382,20 +415,30 @@ class RedisBuffer(ReplayBuffer):
         self._r.close()
 
 
-def _connect(url: str) -> redis.Redis:
+def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
     """A client for ``url`` that has answered a PING: a wrong or unreachable buffer.redis_url
-    fails here within ``CONNECT_TIMEOUT_S``, as one ConfigError."""
+    fails here within ``CONNECT_TIMEOUT_S``, as one ConfigError. Later, every command retries
+    connection failures for about ``outage_s`` (a restarted Redis is reconnected to)."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        probe = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
     except ValueError as exc:
         raise ConfigError(f"buffer.redis_url={url!r}: {exc}, e.g. redis://127.0.0.1:6379/0"
                           ) from exc
     try:
-        client.ping()
+        probe.ping()  # without retries: a wrong URL fails now, not after outage_s
     except redis.RedisError as exc:
         raise ConfigError(f"buffer.redis_url={url!r}: no Redis answers there ({exc}): start "
                           "redis-server, or point buffer.redis_url at one") from exc
-    return client
+    finally:
+        probe.close()
+    backoff = ExponentialBackoff(cap=RETRY_BACKOFF_CAP_S, base=0.05)
+    retries, waited = 0, 0.0
+    while waited < outage_s:  # as many retries as their backoffs take to add up to outage_s
+        retries += 1
+        waited += backoff.compute(retries)
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff, retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def _oldest(group: Group) -> int:

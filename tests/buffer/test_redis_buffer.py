@@ -240,3 +240,52 @@ def test_pickled_buffer_reconnects_to_the_same_run(redis_url: str) -> None:
     finally:
         buf.purge()
         buf.close()
+
+
+def _redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """redis-server in the foreground (append-only, data in ``workdir``), answering PING."""
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "yes", "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return server
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
+def test_a_restarted_redis_is_reconnected_and_a_lasting_outage_stops_the_run(
+        tmp_path: Path) -> None:
+    from streamrl.errors import RunStopped
+
+    port = free_port()
+    servers = [_redis_server(port, tmp_path)]
+    try:
+        buf = RedisBuffer(f"redis://127.0.0.1:{port}/0", "outage", 1, 1, outage_s=5)
+        assert buf.try_admit("replica-0.0")
+        buf.put(make_group(0, "g1"), "replica-0.0")
+        servers[0].terminate()  # a clean restart: the append-only file keeps the run
+        servers[0].wait()
+        restart = threading.Timer(1.0, lambda: servers.append(_redis_server(port, tmp_path)))
+        restart.start()
+        groups = buf.take(1, 0, timeout=10)  # retried through the restart
+        restart.join()
+        assert [g.group_id for g in groups] == ["g1"]
+        buf.ack(["g1"])
+        s = buf.stats()
+        assert (s.produced, s.consumed, s.queued, s.in_flight, s.started) == (1, 1, 0, 0, 1)
+
+        servers[-1].kill()  # gone for good: one error naming the URL after outage_s
+        start = time.monotonic()
+        with pytest.raises(RunStopped, match=rf"redis://127.0.0.1:{port}/0.*unreachable for "
+                                             r"buffer.redis_outage_s=5"):
+            buf.stats()
+        assert 4 < time.monotonic() - start < 15
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
