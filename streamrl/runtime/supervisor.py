@@ -36,6 +36,8 @@ from streamrl.config import Config
 
 log = logging.getLogger(__name__)
 BACKOFF_CAP_S = 30.0
+START_TIMEOUT_S = 600.0
+"""Longest a new incarnation may take to set up (engine start-up, model load)."""
 
 
 def holder_name(index: int, incarnation: int) -> str:
@@ -164,16 +166,18 @@ class Supervisor:
 
     def _start(self, member: Member) -> Any:
         """A new incarnation of ``member``: set up, at the current weights, loop started."""
-        timeout = self.cfg.runtime.stall_timeout_s
         member.incarnation += 1
         actor = self.spawn(member.index, member.holder)
         try:
-            ray.get(actor.setup.remote(), timeout=timeout)
+            try:
+                ray.get(actor.setup.remote(), timeout=START_TIMEOUT_S)
+            except GetTimeoutError:
+                raise TimeoutError(f"it did not set up within {START_TIMEOUT_S:.0f} s") from None
             if member.state:
-                ray.get(actor.load_state.remote(member.state), timeout=timeout)
+                ray.get(actor.load_state.remote(member.state), timeout=60)
             self._wait_for_weights(actor, member)
             if self.loops:
-                ray.get(actor.start.remote(), timeout=timeout)
+                ray.get(actor.start.remote(), timeout=60)
         except BaseException:
             ray.kill(actor, no_restart=True)
             raise
