@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 from streamrl.config import ConfigError
 from streamrl.errors import RunStopped
@@ -100,12 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: every process of the run is stopped
+    # on the way out. (`streamrl serve` swaps in uvicorn's graceful handlers while it serves.)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt as exc:
+        name = str(exc) or "SIGINT"
+        print(f"streamrl: interrupted ({name}); the run's processes were stopped",
+              file=sys.stderr)
+        return 128 + signal.Signals[name].value
     except ConfigError as exc:
         # One line, also where the message quotes a multi-line library error.
         print(f"streamrl: config error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -2,8 +2,8 @@
 
 Every user mistake in the table ends the real ``streamrl train | serve | config`` with exit code
 2 and a last stderr line ``streamrl: config error: ...`` that names the key or file and the
-value, with no traceback, before Ray starts. The CLI runs once per case, ``WORKERS`` at a time
-(each start pays its imports); a case that gets as far as Ray has failed.
+value, with no traceback, before Ray starts. Every case runs through the CLI's ``main`` in one
+runner process (the imports are paid once); a case that gets as far as Ray has failed.
 
 Two mistakes are counted, not fatal: a prompt longer than ``task.max_prompt_length`` is a
 skipped row, and a Redis entry that does not decode is a dead letter (unit tests at the end).
@@ -11,14 +11,15 @@ skipped row, and a Redis entry that does not decode is a dead letter (unit tests
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,6 @@ from streamrl.data import make_prompt_source
 from streamrl.data.toy import load_toy_source
 from tests.support import free_port
 
-WORKERS = 2
 CASE_TIMEOUT_S = 90
 PREFIX = "streamrl: config error: "
 
@@ -140,19 +140,50 @@ class Result:
     expect: tuple[str, ...]
 
 
-def _run_cli(argv: list[str]) -> tuple[int | None, str, float]:
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", *argv],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+# Runs ``streamrl.cli.main`` (what ``python -m streamrl.cli`` runs) once per argv read from
+# stdin, in one interpreter, so the imports are paid once; prints one JSON line per case: the
+# exit code and stderr, with the traceback of any exception that escaped ``main``.
+RUNNER = """
+import contextlib, io, json, logging, sys, time, traceback
+from streamrl.cli import main
+for line in sys.stdin:
+    err, start = io.StringIO(), time.monotonic()
+    logging.root.handlers.clear()  # main's basicConfig then logs to this case's stderr
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(json.loads(line))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(json.dumps([code, err.getvalue(), time.monotonic() - start]), flush=True)
+"""
+
+
+def _run_cli(argvs: list[list[str]]) -> list[tuple[int | None, str, float]]:
+    """Each argv through the CLI's ``main`` in one runner process; a case that does not end
+    within CASE_TIMEOUT_S (it got as far as Ray) is None, and so is every case after it."""
+    proc = subprocess.Popen([sys.executable, "-c", RUNNER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=CASE_TIMEOUT_S)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # it got as far as Ray: stop what it started too
-        _, err = proc.communicate()
-        code = None
-    return code, err, time.monotonic() - start
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("".join(json.dumps(a) + "\n" for a in argvs))
+    proc.stdin.close()
+    runs: list[tuple[int | None, str, float]] = []
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while len(runs) < len(argvs) and sel.select(timeout=CASE_TIMEOUT_S):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("["):
+                code, err, seconds = json.loads(line)
+                runs.append((code, err, seconds))
+    with contextlib.suppress(ProcessLookupError):  # whatever a hung case started goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return runs + [(None, "", 0.0)] * (len(argvs) - len(runs))
 
 
 def _write_files(root: Path) -> None:
@@ -190,12 +221,11 @@ def results(request: pytest.FixtureRequest, tiny_model_dir: Path,
         return text
 
     try:
-        with ThreadPoolExecutor(WORKERS) as pool:
-            runs = pool.map(lambda c: _run_cli([filled(a) for a in c.argv]), runnable)
-            out: dict[str, Result | None] = {
-                c.id: Result(*run, tuple(filled(e) for e in c.expect))
-                for c, run in zip(runnable, runs)
-            }
+        runs = _run_cli([[filled(a) for a in c.argv] for c in runnable])
+        out: dict[str, Result | None] = {
+            c.id: Result(*run, tuple(filled(e) for e in c.expect))
+            for c, run in zip(runnable, runs)
+        }
     finally:
         if clash is not None:
             clash.purge()

@@ -109,3 +109,31 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
             and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
+
+
+def test_sigterm_stops_the_run_cleanly_and_leaves_no_process(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: one line, exit 143, nothing left
+    (Ray's own handler would abort the driver and orphan its workers)."""
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
+            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
+            f"trainer.output_dir={out}"]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    driver = psutil.Process(proc.pid)
+    try:
+        wait_for(lambda: steps_logged(out / "metrics.jsonl"), 240, "a training step", log)
+        family = set(driver.children(recursive=True))
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert code == 128 + signal.SIGTERM, text[-3000:]
+    assert "streamrl: interrupted (SIGTERM); the run's processes were stopped" in text
+    _, left = psutil.wait_procs(list(family), timeout=30)
+    assert not [p for p in left if p.status() != "zombie"], [p.cmdline()[:3] for p in left]

@@ -14,6 +14,8 @@ Depends on config only.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -37,6 +39,7 @@ def init_ray(cfg: Config) -> bool:
     """Start a local Ray (or join ``runtime.address``); returns whether this call started it."""
     if ray.is_initialized():
         return False
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(
         address=cfg.runtime.address,
         num_cpus=cfg.runtime.num_cpus if cfg.runtime.address is None else None,
@@ -44,6 +47,10 @@ def init_ray(cfg: Config) -> bool:
         log_to_driver=True,
         runtime_env={"env_vars": WORKER_ENV},
     )
+    # Ray's core worker replaces the driver's SIGTERM handler with one that aborts the process
+    # (no clean-up, orphans left): keep the caller's (the CLI unwinds and stops every actor).
+    if callable(on_sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
     return True
 
 
