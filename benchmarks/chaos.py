@@ -380,14 +380,19 @@ def recover_or_stop(ctx: Context, name: str, run: TrainRun, buffer_run: str, fau
                   finished=code == 0, left=run.finish(), note=note)
 
 
-def kill_role(ctx: Context, name: str, title: str, expected: tuple[str, ...]) -> Result:
-    run, buffer_run = ctx.launch(name)
-    run.wait_for_step(ctx.fault_step)
+def kill_first(run: TrainRun, title: str) -> tuple[psutil.Process, Fault]:
+    """kill -9 the run's first process titled ``title``; returns it and the fault marked."""
     victim = run.find(title)
     if victim is None:
         raise RuntimeError(f"no {title} process among the driver's descendants")
     victim.kill()
-    fault = run.mark()
+    return victim, run.mark()
+
+
+def kill_role(ctx: Context, name: str, title: str, expected: tuple[str, ...]) -> Result:
+    run, buffer_run = ctx.launch(name)
+    run.wait_for_step(ctx.fault_step)
+    victim, fault = kill_first(run, title)
     result = recover_or_stop(ctx, name, run, buffer_run, fault, f"killed pid {victim.pid}",
                              marker=RECREATED)
     text = run.text(fault.log_offset)
@@ -409,11 +414,7 @@ def learner_kill(ctx: Context) -> Result:
     name = "learner_kill"
     run, buffer_run = ctx.launch(name)
     run.wait_for_step(ctx.fault_step)
-    learner = run.find(LEARNER)
-    if learner is None:
-        raise RuntimeError(f"no {LEARNER} process among the driver's descendants")
-    learner.kill()
-    fault = run.mark()
+    _, fault = kill_first(run, LEARNER)
     code = run.wait_exit(ctx.timeout)
     if code is None:
         outcome, seconds, note = "hung", None, "the driver did not exit"
