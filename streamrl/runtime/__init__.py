@@ -16,7 +16,6 @@ Dependencies point down: runtime -> learner / rollout_fleet / buffer / weight_bu
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,11 +32,10 @@ from streamrl.net import free_port
 from streamrl.rollout_fleet import load_user_code
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
-from streamrl.runtime.supervisor import Member, Supervisor, first_line, holder_name
+from streamrl.runtime.supervisor import Member, Supervisor, holder_name, shut_down
 
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
-log = logging.getLogger(__name__)
 ACTOR_SHUTDOWN_TIMEOUT_S = 30
 
 
@@ -127,11 +125,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         if fleet is not None:
             fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
         for actor in reversed(actors):
-            try:
-                ray.get(actor.shutdown.remote(), timeout=ACTOR_SHUTDOWN_TIMEOUT_S)
-            except Exception as exc:  # a dead actor must not stop the others' clean-up
-                log.warning("actor shutdown failed: %s", first_line(exc))
-            ray.kill(actor)
+            shut_down(actor, "actor", ACTOR_SHUTDOWN_TIMEOUT_S)
         for pg in pgs:
             remove_placement_group(pg)
         if started_ray:

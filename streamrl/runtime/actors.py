@@ -22,6 +22,7 @@ from typing import Any
 from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
 from streamrl.runtime.placement import pin_to_core
+from streamrl.runtime.supervisor import holder_name
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class ReplicaActor:
         self.cfg = cfg
         self.model_path = cfg.model.path
         self.index = index
-        self.buffer = HeldBuffer(buffer, holder or f"replica-{index}")
+        self.buffer = HeldBuffer(buffer, holder or holder_name(index, 0))
         self.bus_endpoint = bus_endpoint
         self.replica: Any = None
         self.receiver: Any = None

@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError
 from streamrl.batch import Batch
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.errors import RunStopped
-from streamrl.runtime.supervisor import Member, Supervisor, first_line
+from streamrl.runtime.supervisor import Member, Supervisor, first_line, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +185,9 @@ class Fleet:
             self.supervisor.stop()
         for m in self.members:
             if m.live:
-                try:
-                    ray.get(m.actor.shutdown.remote(), timeout=timeout)
-                except Exception as exc:  # a dead replica must not stop the others' clean-up
-                    log.warning("%s: shutdown failed: %s", m.name, first_line(exc))
-            ray.kill(m.actor)
+                shut_down(m.actor, m.name, timeout)
+            else:
+                ray.kill(m.actor)
 
     def load_state(self, states: list[dict[str, Any]]) -> None:
         if states:

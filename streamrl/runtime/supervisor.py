@@ -44,6 +44,16 @@ def holder_name(index: int, incarnation: int) -> str:
     return f"replica-{index}.{incarnation}"
 
 
+def shut_down(actor: Any, name: str, timeout: float) -> None:
+    """Ask ``actor`` to shut down (``timeout``), then kill it; a dead or stuck actor is only
+    logged, so it never stops the clean-up of the others."""
+    try:
+        ray.get(actor.shutdown.remote(), timeout=timeout)
+    except Exception as exc:
+        log.warning("%s: shutdown failed: %s", name, first_line(exc))
+    ray.kill(actor)
+
+
 @dataclass
 class Member:
     """One replica position of the fleet and the incarnation that fills it now."""
@@ -180,6 +190,7 @@ class Supervisor:
                 ray.get(actor.start.remote(), timeout=60)
         except BaseException:
             ray.kill(actor, no_restart=True)
+            self.released += self.buffer.release(member.holder)  # if its loop had started
             raise
         return actor
 
