@@ -47,7 +47,8 @@ class GroupAborted(WeightBusError):
 
 
 class ReceiverDied(WeightBusError):
-    """Receivers died during a publish; the group was re-formed for the survivors."""
+    """Receivers were lost during a publish (dead, or alive but silent); the group was
+    re-formed for the survivors."""
 
     def __init__(self, message: str, *, dead: dict[str, str], survivors: list[str],
                  version: int, recovered: bool) -> None:

@@ -2,7 +2,8 @@
 
 Parts:
 - Messages (MessagePack, tagged): receivers send ``Hello``, ``Heartbeat``, ``Ack`` (stages
-  ``received`` with the ``WeightManifest`` they assembled, ``loaded``, ``skipped``, ``failed``) and
+  ``announced`` when the receiver takes the announcement, ``received`` with the
+  ``WeightManifest`` it assembled, ``loaded``, ``skipped``, ``failed``) and
   ``Bye``; the learner answers ``Hello`` with ``Welcome`` (the current version and its manifest:
   the "current manifest" endpoint) and sends ``Announce`` (version + the ``GroupSpec`` of the
   generation to join) to each receiver it addresses.
@@ -60,7 +61,7 @@ class Bye(msgspec.Struct, tag="bye", kw_only=True):
     receiver_id: str
 
 
-ACK_STAGES = ("received", "loaded", "skipped", "failed")
+ACK_STAGES = ("announced", "received", "loaded", "skipped", "failed")
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):
@@ -167,6 +168,9 @@ class Peer:
     joined_at: float = field(default_factory=time.monotonic)
     gone: str = ""
     """Why it left (``bye`` or the reason it was declared dead); empty while it is a member."""
+    silenced: bool = False
+    """Declared lost while still heartbeating: only an ack (a sign of work) or a hello readmits
+    it, else its heartbeats would re-admit it to stall every publish again."""
 
 
 class ControlServer:
@@ -206,7 +210,8 @@ class ControlServer:
                     peer.gone = "said bye"
                 self.cond.notify_all()
                 return
-            if isinstance(msg, Hello) or peer is None or peer.gone:
+            if (isinstance(msg, Hello) or peer is None
+                    or (peer.gone and (isinstance(msg, Ack) or not peer.silenced))):
                 # Unknown or declared-dead receivers (re)join: they are catch-up candidates.
                 self.peers[msg.receiver_id] = peer = Peer(msg.receiver_id, now)
                 self.joiners.append(msg.receiver_id)
@@ -264,11 +269,19 @@ class ControlServer:
                     out[rid] = f"no heartbeat for {now - peer.last_seen:.1f} s"
         return out
 
-    def forget(self, dead: dict[str, str]) -> None:
+    def silent_among(self, publish_id: str, ids: list[str] | tuple[str, ...]) -> list[str]:
+        """Of ``ids``, those that sent no ack at all for ``publish_id`` (not even ``announced``)."""
+        with self.cond:
+            acked = self._acks.get(publish_id, {})
+            return sorted(rid for rid in ids if rid not in acked)
+
+    def forget(self, dead: dict[str, str], *, silenced: bool = False) -> None:
+        """Drop ``dead`` from the roster; ``silenced`` ones are still heartbeating (see Peer)."""
         with self.cond:
             for rid, why in dead.items():
                 if rid in self.peers:
                     self.peers[rid].gone = why or "declared dead"
+                    self.peers[rid].silenced = silenced
 
     def take_joiners(self) -> list[str]:
         with self.cond:

@@ -152,3 +152,43 @@ def test_in_process_receiver_ignores_older_versions_and_hands_over_views() -> No
     # Same-dtype tensors are views into one received bucket, not copies.
     a, b = loaded["layers.0.weight"], loaded["layers.1.weight"]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_works(
+    publisher, fleet
+) -> None:
+    """A receiver whose engine hangs while loading keeps heartbeating but takes no announcement:
+    the publish names it within ``timeout_s`` (not one timeout per step of the publish), the
+    others get the version, its heartbeats alone do not bring it back to stall the next
+    publish, and once it works again it is caught up to the latest version."""
+    fleet.spawn("alive")
+    unstuck = threading.Event()
+    loaded: list[int] = []
+
+    def hanging_sink(weights, version: int) -> None:
+        unstuck.wait()
+        loaded.append(version)
+
+    with CollectiveReceiver(publisher.endpoint, hanging_sink, receiver_id="stuck",
+                            timeout_s=TIMEOUT_S) as stuck:
+        publisher.wait_for_receivers(2)
+        publisher.publish(1, make_state(1).items())  # both receive it; "stuck" hangs loading
+
+        v2 = make_state(2)
+        start = time.monotonic()
+        with pytest.raises(ReceiverDied) as info:
+            publisher.publish(2, v2.items())
+        elapsed = time.monotonic() - start
+        assert elapsed < 1.5 * TIMEOUT_S, f"the silent receiver took {elapsed:.1f} s to be named"
+        err = info.value
+        assert list(err.dead) == ["stuck"] and "silent" in err.dead["stuck"]
+        assert err.survivors == ["alive"] and err.recovered
+        assert fleet.wait_loaded("alive", 2) == digest(v2.items())
+
+        start = time.monotonic()
+        stats = publisher.publish(3, make_state(3).items())  # heartbeats alone: still out
+        assert stats.receivers == ("alive",) and time.monotonic() - start < TIMEOUT_S / 2
+
+        unstuck.set()  # the engine recovers: its next ack readmits it, the catch-up serves v3
+        assert stuck.wait_version(3, 3 * TIMEOUT_S), loaded
+        assert loaded[0] == 1 and loaded[-1] == 3 and 2 not in loaded

@@ -31,6 +31,7 @@ from streamrl.weight_bus.base import (
     PublishStats,
     ReceiverDied,
     WeightBusError,
+    WeightBusTimeout,
     WeightPublisher,
     check_version,
 )
@@ -196,7 +197,7 @@ class CollectivePublisher(WeightPublisher):
                          timeout_s=self.timeout_s, nccl_port=nccl_port)
 
     def _open_generation(self, targets: tuple[str, ...], version: int, publish_id: str,
-                         check: Check) -> WeightGroup:
+                         deadline: float, check: Check) -> WeightGroup:
         """Announce ``version`` to ``targets`` on the current generation if they are exactly its
         members, else on a new generation (formed here: blocks until every target joined)."""
         group = self._group
@@ -209,19 +210,20 @@ class CollectivePublisher(WeightPublisher):
                                                 group=msgspec.structs.replace(spec0, rank=rank)))
         if reuse and group is not None:
             return group
-        group = join_group(spec0, self._store, time.monotonic() + self.timeout_s, check)
+        group = join_group(spec0, self._store, deadline, check)
         self._group, self._members = group, targets
         return group
 
     def _send(self, targets: tuple[str, ...], version: int, publish_id: str,
               buckets: Iterator[Bucket], sent: Callable[[Bucket], None]) -> None:
-        """Announce ``version`` to ``targets``, broadcast it, check the manifests they acked."""
+        """Announce ``version`` to ``targets``, broadcast it, check the manifests they acked; all
+        within one ``timeout_s``, so a receiver that stalls any step is named within it."""
+        deadline = time.monotonic() + self.timeout_s
         check = self._check(targets, publish_id)
-        group = self._open_generation(targets, version, publish_id, check)
+        group = self._open_generation(targets, version, publish_id, deadline, check)
         try:
-            specs = send_buckets(group, buckets, timeout_s=self.timeout_s, check=check, sent=sent)
-            acks = self.control.wait_acks(publish_id, targets, ("received",),
-                                          time.monotonic() + self.timeout_s, check)
+            specs = send_buckets(group, buckets, deadline=deadline, check=check, sent=sent)
+            acks = self.control.wait_acks(publish_id, targets, ("received",), deadline, check)
         except Exception:
             group.broken = True
             raise
@@ -243,27 +245,37 @@ class CollectivePublisher(WeightPublisher):
         assert self._cache is not None
         self._send(targets, self._version, uuid.uuid4().hex, iter(self._cache), sent=_noop)
 
-    def _identify_lost(self, members: tuple[str, ...], publish_id: str) -> dict[str, str]:
-        """Wait (at most one liveness window) for heartbeats to show who died. If nobody did,
-        the receivers that acked ``failed`` are the lost ones (one whose engine died stays
-        alive); survivors of a death also ack ``failed`` (their generation was aborted), so
-        the dead are looked for first."""
+    def _identify_lost(self, members: tuple[str, ...], publish_id: str,
+                       failure: Exception) -> tuple[dict[str, str], bool]:
+        """Who was lost, and whether they are alive but silent. After a timeout, the members
+        that never took the announcement (no ack at all, heartbeats or not) are the silent ones:
+        named at once, within the one ``timeout_s``. Otherwise wait (at most one liveness
+        window) for heartbeats to show who died; if nobody did, the receivers that acked
+        ``failed`` are the lost ones (one whose engine died stays alive); survivors of a death
+        also ack ``failed`` (their generation was aborted), so the dead are looked for first."""
+        if dead := self.control.dead_among(members):
+            return dead, False
+        silent = self.control.silent_among(publish_id, members)
+        if isinstance(failure, WeightBusTimeout) and silent:
+            why = (f"alive (heartbeats) but silent: did not take the announcement within "
+                   f"timeout_s={self.timeout_s:g} s")
+            return {rid: why for rid in silent}, True
         deadline = time.monotonic() + self.control.dead_after_s + 0.5
         while time.monotonic() <= deadline:
             if dead := self.control.dead_among(members):
-                return dead
+                return dead, False
             time.sleep(0.05)
         return {rid: f"failed to receive: {err}"
-                for rid, err in self.control.failed_acks(publish_id).items()}
+                for rid, err in self.control.failed_acks(publish_id).items()}, False
 
     def _recover(self, members: tuple[str, ...], version: int, publish_id: str,
                  failure: Exception) -> None:
         """After a failed broadcast: abort the generation, name the lost, serve the survivors."""
         generation = self._generation
         self._drop_group(f"publish of version {version} failed: {failure}")
-        dead = (failure.dead if isinstance(failure, _Dead)
-                else self._identify_lost(members, publish_id))
-        self.control.forget(dead)
+        dead, silenced = ((failure.dead, False) if isinstance(failure, _Dead)
+                          else self._identify_lost(members, publish_id, failure))
+        self.control.forget(dead, silenced=silenced)
         survivors = [m for m in members if m not in dead]
         recovered = False
         if survivors and self._cache is not None:
@@ -284,7 +296,7 @@ class CollectivePublisher(WeightPublisher):
         what = (f"version {version} re-sent to them on generation {self._generation}"
                 if recovered else "they get the next publish")
         raise ReceiverDied(
-            f"weight bus: receiver(s) {sorted(dead)} died during publish of version {version} "
+            f"weight bus: receiver(s) {sorted(dead)} lost during publish of version {version} "
             f"(generation {generation}): "
             + "; ".join(f"{rid}: {why}" for rid, why in sorted(dead.items()))
             + f". Group re-formed for the survivors {survivors}; {what}.",

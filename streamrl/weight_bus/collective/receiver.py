@@ -165,10 +165,15 @@ class CollectiveReceiver(WeightReceiver):
     def _run(self) -> None:
         while not self._stop.is_set():
             announce = self.control.next_announce(0.1)
+            # Only the newest matters: the publisher sends one only after the previous publish
+            # ended, so older ones queued behind a busy receiver are over already.
+            while announce is not None and (newer := self.control.next_announce(0)) is not None:
+                announce = newer
             if announce is not None:
                 self._handle(announce)
 
     def _handle(self, announce: Announce) -> None:
+        self.control.ack(announce, "announced")  # alive and working: see ControlServer.silent_among
         try:
             manifest, weights = self.landing.receive(announce)
         except Exception as exc:  # reported to the learner; the next announcement retries
