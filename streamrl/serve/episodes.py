@@ -314,13 +314,13 @@ class EpisodeStore:
     def wants_slot(self, episode_id: str, group_id: str | None) -> bool:
         """Whether a call would open an episode that needs an admission slot of its own (the
         service takes it off the event loop first and passes ``slot=True``)."""
-        return episode_id not in self.episodes and self._slot_owner(group_id) is None
+        return episode_id not in self.episodes and not self._group_holds_slot(group_id)
 
     def _episode(self, episode_id: str, group_id: str | None, slot: bool) -> Episode:
         """The open episode, opening it if new. ``slot``: the caller already took an admission
         slot for it (given back if, meanwhile, it is not needed any more)."""
         episode = self.episodes.get(episode_id)
-        needed = episode is None and self._slot_owner(group_id) is None
+        needed = episode is None and not self._group_holds_slot(group_id)
         if slot and not needed:
             self._give_back(1)
         if episode is None:
@@ -335,12 +335,17 @@ class EpisodeStore:
         episode.last_used = self.clock()
         return episode
 
-    def _slot_owner(self, group_id: str | None) -> Episode | None:
-        """An open episode holding the admission slot of declared group ``group_id``."""
+    def _group_holds_slot(self, group_id: str | None) -> bool:
+        """Whether declared group ``group_id`` holds an admission slot: through an open episode,
+        or, once its open episodes all closed, through its pending (not yet put) entry. A member
+        that opens late (its first calls were refused at the bound, and it retried after its
+        siblings finished) joins that slot; taking another would deadlock a full buffer, the
+        group waiting for the member and the member for a slot."""
         if group_id is None:
-            return None
-        return next((e for e in self.episodes.values()
-                     if e.declared_group == group_id and e.slot), None)
+            return False
+        pending = self.groups.get(group_id)
+        return (pending is not None and pending.slots > 0) or any(
+            e.declared_group == group_id and e.slot for e in self.episodes.values())
 
     def _release(self, episode: Episode) -> int:
         """The slot a closing episode holds, handed to its group (0 or 1). A declared group's

@@ -243,3 +243,26 @@ def test_a_declared_group_shares_one_admission_slot(tokenizer):
     assert stats.queued == 1 and stats.started == 1
     (group,) = buffer.take(1, learner_version=0)
     assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
+
+
+def test_a_group_member_opening_after_its_siblings_closed_joins_their_slot(tokenizer):
+    """A client runs a group's episodes concurrently; at the bound their first calls get 429 and
+    retry at different times, so one member may open only after the others closed. It must
+    join the slot the pending group holds: a slot of its own cannot come while the buffer is
+    full, and the group would wait for it until the group timeout."""
+    store, buffer = make_store(tokenizer, groups_per_step=1, eta=0)  # one slot
+    call = store.begin_chat("early", [USER], None, group_id="g")
+    store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
+    assert not store.close("early", 1.0, group_size=2)["group_complete"]
+    assert buffer.stats().started == 1 and buffer.stats().queued == 0
+
+    assert not store.wants_slot("late", "g")
+    late = store.begin_chat("late", [USER], None, group_id="g")  # no AtCapacity: same slot
+    with pytest.raises(AtCapacity):
+        store.begin_chat("other", [USER], None, group_id="h")
+    store.commit(late, sampled(tokenizer, "2", 0), {"role": "assistant", "content": "2"})
+    assert store.close("late", 0.0)["group_complete"]
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1
+    (group,) = buffer.take(1, learner_version=0)
+    assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
