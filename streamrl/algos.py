@@ -11,8 +11,9 @@ Parts, in file order:
 1. Masked helpers ....... masked_sum, masked_mean, masked_var, masked_whiten,
                           logprobs_from_logits, entropy_from_logits
 2. Registries ........... register_adv_estimator, get_adv_estimator_fn, ADV_ESTIMATORS;
-                          register_policy_loss, get_policy_loss_fn, POLICY_LOSSES
-3. Aggregation .......... LOSS_AGG_MODES, agg_loss
+                          register_policy_loss, get_policy_loss_fn, POLICY_LOSSES,
+                          policy_loss_weights_by_ratio
+3. Aggregation .......... LOSS_AGG_MODES (token-mean, token-sum, seq-mean-*), agg_loss
 4. Advantages ........... compute_gae_advantage_return, compute_grpo_outcome_advantage,
                           compute_rloo_outcome_advantage, compute_remax_outcome_advantage,
                           compute_reinforce_plus_plus_outcome_advantage,
@@ -21,8 +22,13 @@ Parts, in file order:
 5. KL ................... KL_PENALTY_TYPES, kl_penalty, FixedKLController, AdaptiveKLController,
                           get_kl_controller, apply_kl_penalty (KL in reward), compute_kl_loss
 6. Policy losses ........ compute_policy_loss (verl's vanilla signature); PolicyLossConfig;
-                          registered per-token surrogates vanilla / gspo / cispo / decoupled;
-                          compute_rollout_correction (TIS, IcePop, sequence rejection);
+                          registered per-token surrogates vanilla / gspo / cispo / decoupled /
+                          reinforce;
+                          rollout correction (verl's rollout_corr): compute_rollout_is_weights
+                          (token / sequence truncated IS, batch normalisation),
+                          ROLLOUT_RS_OPTIONS, parse_rollout_rs, compute_rollout_rejection_mask
+                          (k1/k2/k3 rejection), compute_rollout_correction (all of it plus
+                          IcePop and geometric-mean rejection);
                           compute_policy_loss_from_config (the learner's one entry point, bypass)
 7. Value and entropy .... compute_value_loss, compute_entropy_loss
 
@@ -38,11 +44,16 @@ Conventions:
 - Registered advantage estimators share one keyword calling convention (see `compute_advantage`);
   registered policy losses return a per-token loss matrix, and corrections plus aggregation are
   applied once in `compute_policy_loss_from_config`.
+- Importance weights are applied once. A surrogate built on the ratio pi / pi_old (vanilla,
+  gspo, cispo) already carries pi / pi_behaviour in bypass mode (pi_old := pi_behaviour), so
+  there the rollout correction may only mask tokens (IcePop band, rejection), never weight
+  them; a ratio-free loss (reinforce) takes the truncated IS weights explicitly.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -58,10 +69,14 @@ __all__ = [
     "KL_PENALTY_TYPES",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_OPTIONS",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
     "PolicyLossConfig",
+    "RejectionRule",
+    "RolloutRSError",
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantage",
@@ -72,6 +87,7 @@ __all__ = [
     "compute_pg_losses_cispo",
     "compute_pg_losses_decoupled",
     "compute_pg_losses_gspo",
+    "compute_pg_losses_reinforce",
     "compute_pg_losses_vanilla",
     "compute_policy_loss",
     "compute_policy_loss_from_config",
@@ -80,6 +96,8 @@ __all__ = [
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
     "compute_rollout_correction",
+    "compute_rollout_is_weights",
+    "compute_rollout_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",
@@ -91,6 +109,8 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "parse_rollout_rs",
+    "policy_loss_weights_by_ratio",
     "register_adv_estimator",
     "register_policy_loss",
 ]
@@ -235,6 +255,7 @@ PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 _ADV_REGISTRY: _Registry[AdvEstimatorFn] = _Registry("advantage estimator")
 _POLICY_LOSS_REGISTRY: _Registry[PolicyLossFn] = _Registry("policy loss")
+_RATIO_FREE_LOSSES: set[str] = set()
 
 ADV_ESTIMATORS: Mapping[str, AdvEstimatorFn] = _ADV_REGISTRY.view
 POLICY_LOSSES: Mapping[str, PolicyLossFn] = _POLICY_LOSS_REGISTRY.view
@@ -250,14 +271,35 @@ def get_adv_estimator_fn(name: str) -> AdvEstimatorFn:
     return _ADV_REGISTRY.get(name)
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a per-token policy loss; a taken name raises ValueError."""
-    return _POLICY_LOSS_REGISTRY.register(name)
+def register_policy_loss(
+    name: str, *, weights_by_ratio: bool = True
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a per-token policy loss; a taken name raises ValueError.
+
+    weights_by_ratio: the surrogate multiplies each token by pi / pi_old (PPO-style). In bypass
+    mode that ratio is already pi / pi_behaviour, so rollout corrections only mask its tokens;
+    pass False for a ratio-free loss (like "reinforce"), which then takes the IS weights.
+    """
+    register = _POLICY_LOSS_REGISTRY.register(name)
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        fn = register(fn)
+        if not weights_by_ratio:
+            _RATIO_FREE_LOSSES.add(name)
+        return fn
+
+    return decorator
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; unknown names raise ValueError listing known ones."""
     return _POLICY_LOSS_REGISTRY.get(name)
+
+
+def policy_loss_weights_by_ratio(name: str) -> bool:
+    """Whether the registered loss `name` weights tokens by pi / pi_old (register_policy_loss)."""
+    get_policy_loss_fn(name)
+    return name not in _RATIO_FREE_LOSSES
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,6 +308,7 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
 
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -284,6 +327,11 @@ def agg_loss(
     """Aggregate a (batch, length) loss matrix into a scalar, as verl's `agg_loss`.
 
     - token-mean: sum of valid token losses / number of valid tokens.
+    - token-sum: sum of valid token losses, unnormalised (`num_tokens` / `num_seqs` unused).
+      verl multiplies this sum by the data-parallel size inside agg_loss so that the mean that
+      DDP/FSDP takes over ranks becomes the global token sum; here the learner scales every
+      loss by its world size instead (learner/update_loop.py), which gives the same gradient
+      and keeps this file free of distributed state.
     - seq-mean-token-sum: mean over non-empty sequences of each sequence's token sum.
     - seq-mean-token-mean: mean over non-empty sequences of each sequence's token mean.
     - seq-mean-token-sum-norm: seq-mean-token-sum / `loss_scale_factor` (Dr. GRPO's constant
@@ -298,6 +346,8 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         denom = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
         return masked_sum(loss_mat, mask) / _safe_count(denom, loss_mat)
+    if loss_agg_mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     _check_agg_mode(loss_agg_mode)
     tokens_per_seq = mask.sum(dim=-1)
     seq_losses = masked_sum(loss_mat, mask, axis=-1)
@@ -458,21 +508,22 @@ def compute_reinforce_plus_plus_outcome_advantage(
     response_mask: Tensor,
     gamma: float,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted reward-to-go, whitened over valid tokens.
+    """REINFORCE++: discounted reward-to-go, whitened over valid tokens, as verl.
 
-    Differs from verl on interior mask holes only: verl resets the running return at every
-    mask-0 token (right padding); here mask-0 tokens are skipped like in GAE, so observation
-    tokens between turns neither cut the return nor take a discount step. Right-padded
-    batches give verl's numbers. Rewards must sit on mask-1 tokens.
+    Mask-0 tokens are skipped like in GAE: observation tokens between turns neither cut the
+    running return nor take a discount step, and right padding starts each row's scan at 0
+    (verl's current code carries the return across observation spans the same way). Returns
+    and advantages are 0 at mask-0 positions, as in verl. Rewards must sit on mask-1 tokens.
     """
     with torch.no_grad():
         mask = _float_mask(response_mask, token_level_rewards)
+        valid = mask > 0
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
         for t in reversed(range(token_level_rewards.shape[-1])):
             updated = token_level_rewards[:, t] + gamma * running
-            running = torch.where(mask[:, t] > 0, updated, running)
-            returns[:, t] = running
+            running = torch.where(valid[:, t], updated, running)
+            returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
         advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
 
@@ -850,11 +901,18 @@ def _both_or_neither(low: float | None, high: float | None, what: str) -> None:
         raise ValueError(f"{what} bounds need 0 < low <= high, got {low}, {high}")
 
 
+ROLLOUT_IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+# verl aggregates GSPO with this mode whatever loss_agg_mode says; streamrl follows
+# loss_agg_mode and warns when the two differ.
+GSPO_VERL_AGG_MODE = "seq-mean-token-mean"
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """How `compute_policy_loss_from_config` turns log-probs and advantages into a loss.
 
-    loss_mode: a registered policy loss ("vanilla", "gspo", "cispo", "decoupled", or yours).
+    loss_mode: a registered policy loss ("vanilla", "gspo", "cispo", "decoupled", "reinforce",
+        or yours).
     clip_ratio / clip_ratio_low / clip_ratio_high: PPO clip range; low/high default to
         clip_ratio (set high > low for DAPO's clip-higher).
     clip_ratio_c: dual-clip bound for negative advantages (vanilla and decoupled), > 1.
@@ -862,14 +920,21 @@ class PolicyLossConfig:
         the PPO ones (GSPO's paper uses ~3e-4 / 4e-4; CISPO's only clips above).
     loss_agg_mode / loss_scale_factor: see `agg_loss`.
     bypass: no recomputed proximal log-probs; the behaviour (rollout) log-probs are the PPO
-        "old" log-probs, so the ratio itself is the importance weight.
-    tis_cap: truncated importance sampling, token weight min(pi_old / pi_behaviour, tis_cap).
-    icepop_low/high: IcePop, token weight pi_old / pi_behaviour inside [low, high], else 0.
-    rejection_low/high: drop (weight 0) whole sequences whose geometric-mean ratio
-        pi_old / pi_behaviour lies outside [low, high].
+        "old" log-probs, so the ratio itself is the importance weight. Corrections then compare
+        the current policy (detached) with the behaviour, and for a loss that weights by the
+        ratio they only mask (see `register_policy_loss`).
+    Rollout correction (verl's rollout_corr) on r = pi_old / pi_behaviour (bypass: pi / pi_behav):
+    tis_cap: truncated importance sampling, weight min(w, tis_cap) (verl rollout_is_threshold).
+    rollout_is_level: "token" (w = r per token) or "sequence" (w = prod r over the row, the
+        same weight on each of its tokens) (verl rollout_is).
+    rollout_is_batch_normalize: divide the truncated weights by their mean (over valid tokens,
+        or over non-empty sequences at sequence level) so that they average 1.
+    icepop_low/high: IcePop, token weight r inside [low, high], else 0.
+    rejection_low/high: drop (weight 0) whole sequences whose geometric-mean ratio lies outside
+        [low, high].
+    rollout_rs / rollout_rs_threshold: verl's k1/k2/k3 rejection, see `parse_rollout_rs`.
     decoupled_weight_cap: "decoupled" only; behaviour weights above it become 0 (AReaL's
         behav_imp_weight_cap).
-    In bypass mode the corrections compare the current policy (detached) with the behaviour.
     """
 
     loss_mode: str = "vanilla"
@@ -885,10 +950,14 @@ class PolicyLossConfig:
     loss_scale_factor: float | None = None
     bypass: bool = False
     tis_cap: float | None = None
+    rollout_is_level: str = "token"
+    rollout_is_batch_normalize: bool = False
     icepop_low: float | None = None
     icepop_high: float | None = None
     rejection_low: float | None = None
     rejection_high: float | None = None
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
     decoupled_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
@@ -896,20 +965,45 @@ class PolicyLossConfig:
         _check_agg_mode(self.loss_agg_mode)
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1.0, got {self.clip_ratio_c}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        self._check_is_weights()
         _both_or_neither(self.icepop_low, self.icepop_high, "icepop")
         _both_or_neither(self.rejection_low, self.rejection_high, "rejection")
-        weighted = self.tis_cap is not None or self.icepop_low is not None
-        if self.bypass and (self.tis_cap is not None or self.loss_mode == "decoupled"):
+        if self.rollout_rs is not None or self.rollout_rs_threshold is not None:
+            parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
+        if self.bypass and self.loss_mode == "decoupled":
+            raise ValueError("'decoupled' needs recomputed proximal log-probs; unset bypass")
+        if self.bypass and self.tis_cap is not None and self.weights_by_ratio:
             raise ValueError(
-                "bypass makes the PPO ratio the importance weight; tis_cap and 'decoupled' "
-                "would weight tokens twice (use icepop or rejection bounds instead)"
+                f"bypass makes the {self.loss_mode!r} ratio the importance weight; tis_cap "
+                "would weight tokens twice (use icepop / rejection masks, or 'reinforce')"
             )
-        if self.loss_mode == "decoupled" and weighted:
+        if self.loss_mode == "decoupled" and (
+            self.tis_cap is not None or self.icepop_low is not None
+        ):
             raise ValueError(
                 "'decoupled' already weights tokens by pi_prox / pi_behaviour; "
                 "use decoupled_weight_cap instead of tis_cap / icepop bounds"
+            )
+        if self.loss_mode == "gspo" and self.loss_agg_mode != GSPO_VERL_AGG_MODE:
+            warnings.warn(
+                f"GSPO aggregates with loss_agg_mode={self.loss_agg_mode!r}; verl always uses "
+                f"{GSPO_VERL_AGG_MODE!r} for GSPO (set loss_agg_mode to match it)",
+                stacklevel=3,
+            )
+
+    def _check_is_weights(self) -> None:
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {self.tis_cap}")
+        if self.rollout_is_level not in ROLLOUT_IS_LEVELS:
+            raise ValueError(
+                f"unknown rollout_is_level {self.rollout_is_level!r}; known: {ROLLOUT_IS_LEVELS}"
+            )
+        if self.tis_cap is None and (
+            self.rollout_is_level != "token" or self.rollout_is_batch_normalize
+        ):
+            raise ValueError(
+                "rollout_is_level='sequence' and rollout_is_batch_normalize act on the "
+                "truncated IS weights: set tis_cap too"
             )
 
     def clip_range(self, mode: str = "ppo") -> tuple[float, float]:
@@ -927,9 +1021,15 @@ class PolicyLossConfig:
         )
 
     @property
+    def weights_by_ratio(self) -> bool:
+        """Whether loss_mode's surrogate already weights tokens by pi / pi_old."""
+        return policy_loss_weights_by_ratio(self.loss_mode)
+
+    @property
     def corrects_rollout(self) -> bool:
-        """Whether TIS, IcePop or rejection bounds are set (they need behaviour log-probs)."""
-        return any(v is not None for v in (self.tis_cap, self.icepop_low, self.rejection_low))
+        """Whether any rollout correction is set (they need behaviour log-probs)."""
+        options = (self.tis_cap, self.icepop_low, self.rejection_low, self.rollout_rs)
+        return any(v is not None for v in options)
 
 
 @register_policy_loss("vanilla")
@@ -1042,53 +1142,305 @@ def compute_pg_losses_decoupled(
     return pg_losses * weight, metrics
 
 
+@register_policy_loss("reinforce", weights_by_ratio=False)
+def compute_pg_losses_reinforce(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    config: PolicyLossConfig,
+    *,
+    rollout_log_prob: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """REINFORCE, -A * log_prob per token, as verl's compute_policy_loss_reinforce.
+
+    No ratio and no clipping. The truncated IS weights (tis_cap, rollout_is_level) multiply it
+    as detached weights in `compute_policy_loss_from_config`, in bypass mode too, where they
+    compare the current policy with the behaviour (verl's bypass loss_type "reinforce").
+    "actor/ppo_kl" is the mean of old_log_prob - log_prob (bypass: the behaviour's).
+    """
+    zero = torch.zeros((), device=log_prob.device)
+    metrics = {
+        "actor/pg_clipfrac": zero,
+        "actor/ppo_kl": masked_mean(old_log_prob - log_prob, response_mask),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return -advantages * log_prob, {k: v.detach() for k, v in metrics.items()}
+
+
+def compute_rollout_is_weights(
+    log_ratio: Tensor,
+    response_mask: Tensor,
+    rollout_is_threshold: float,
+    rollout_is_level: str = "token",
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance-sampling weights, as verl's compute_rollout_correction_weights.
+
+    `log_ratio` is log pi_old - log pi_behaviour per token (no gradient flows through it).
+    "token": w_t = exp(log_ratio_t). "sequence": w = exp(sum of the row's log-ratios), the same
+    on every valid token of the row. Log-ratios and their sums are clamped to +-20 before exp.
+    Weights are 0 at mask-0 positions and truncated at `rollout_is_threshold`; with
+    `rollout_is_batch_normalize` they are then divided by their mean (over valid tokens, or over
+    non-empty rows at sequence level) unless that mean is below 1e-8.
+    Metrics, verl's, before truncation: rollout_is_mean (over valid tokens), rollout_is_ratio_
+    fraction_high / _low (share of tokens, or of non-empty rows at sequence level, above the
+    threshold / below its inverse), rollout_is_eff_sample_size (1 / mean((w / mean w)^2) over
+    valid tokens, w clamped to [1 / threshold, threshold]), rollout_is_batch_norm_factor.
+    Differs from verl: the mean for normalisation is over the rows given (a micro-batch in the
+    learner); verl takes the whole training batch, or in bypass mode the micro-batch of every
+    data-parallel rank.
+    """
+    if rollout_is_level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(
+            f"unknown rollout_is_level {rollout_is_level!r}; known: {ROLLOUT_IS_LEVELS}"
+        )
+    with torch.no_grad():
+        mask = response_mask.bool()
+        raw = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
+        if rollout_is_level == "sequence":
+            raw = raw.sum(dim=-1, keepdim=True).expand_as(raw)
+        weights = torch.where(mask, raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp(), 0.0)
+        # one weight per unit: a token, or a non-empty row (its tokens share the weight)
+        units, unit_mask = (
+            (weights.amax(dim=-1), mask.any(dim=-1)) if rollout_is_level == "sequence"
+            else (weights, mask)
+        )
+        low, high = 1.0 / rollout_is_threshold, rollout_is_threshold
+        for_ess = weights.clamp(low, high)
+        ess = 1.0 / masked_mean((for_ess / (masked_mean(for_ess, mask) + 1e-8)).square(), mask)
+        prefix = "rollout_corr/rollout_is"
+        metrics = {
+            f"{prefix}_mean": masked_mean(weights, mask),
+            f"{prefix}_ratio_fraction_high": masked_mean((units > high).float(), unit_mask),
+            f"{prefix}_ratio_fraction_low": masked_mean((units < low).float(), unit_mask),
+            f"{prefix}_eff_sample_size": torch.where(mask.any(), ess, torch.zeros_like(ess)),
+        }
+        weights, units = weights.clamp(max=high), units.clamp(max=high)
+        if rollout_is_batch_normalize:
+            mean = masked_mean(units, unit_mask)
+            factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+            weights = weights / factor
+            metrics[f"{prefix}_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+class RolloutRSError(ValueError):
+    """A bad rollout_rs / rollout_rs_threshold: `key` names which one, `value` is its value."""
+
+    def __init__(self, key: str, value: Any, why: str) -> None:
+        super().__init__(f"{key}={value!r}: {why}")
+        self.key, self.value, self.why = key, value, why
+
+
+# verl's rollout_rs statistics of lr = log pi_old - log pi_behaviour (clamped to +-20):
+# per-token divergence estimates, then how a rule reduces them (per token, or per sequence and
+# broadcast to its tokens). A rule's option name is "<reduction>_<estimate>".
+_RS_ESTIMATES: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda lr: -lr,
+    "k2": lambda lr: 0.5 * lr.square(),
+    "k3": lambda lr: lr.exp() - 1.0 - lr,
+}
+_RS_REDUCTIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": lambda stat, mask: stat,
+    "seq_sum": lambda stat, mask: masked_sum(stat, mask, axis=-1).unsqueeze(-1),
+    "seq_mean": lambda stat, mask: masked_mean(stat, mask, axis=-1).unsqueeze(-1),
+    "seq_max": lambda stat, mask: _row_max(stat, mask),
+}
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = tuple(
+    f"{reduction}_{estimate}"
+    for reduction in _RS_REDUCTIONS
+    for estimate in _RS_ESTIMATES
+    if (reduction, estimate) != ("seq_max", "k1")  # max of a signed estimate: not in verl
+)
+
+
+def _row_max(values: Tensor, mask: Tensor) -> Tensor:
+    """(batch, 1) maximum over each row's mask-1 entries; 0 for an empty row."""
+    masked = torch.where(mask.bool(), values, torch.full_like(values, -math.inf))
+    top = masked.amax(dim=-1, keepdim=True)
+    return torch.where(torch.isinf(top), torch.zeros_like(top), top)
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One rollout_rs option with its bounds: keep lower <= stat <= upper (lower: k1 only)."""
+
+    option: str
+    upper: float
+    lower: float | None = None
+
+
+def parse_rollout_rs(
+    rollout_rs: str | None, rollout_rs_threshold: str | float | None
+) -> tuple[RejectionRule, ...]:
+    """verl's rollout_rs / rollout_rs_threshold pair as rules; () when both are None.
+
+    rollout_rs: a comma list of ROLLOUT_RS_OPTIONS, e.g. "token_k1,seq_mean_k3" (repeats are
+    dropped). rollout_rs_threshold: one value shared by every option, or a comma list with one
+    value per option. A k2 / k3 option takes an upper bound u > 0 and keeps stat <= u. A k1
+    option takes "lower_upper" (or "upper", meaning lower = 1 / upper), 0 < lower <= upper, and
+    keeps log(lower) <= stat <= log(upper); as k1 = -log r, this bounds exp(k1) = pi_behaviour
+    / pi_old, exactly as verl's code does (the same as bounding r when lower = 1 / upper).
+    Raises RolloutRSError naming the offending key and value.
+    """
+    if rollout_rs is None:
+        if rollout_rs_threshold is not None:
+            raise RolloutRSError("rollout_rs_threshold", rollout_rs_threshold,
+                                 "is set but rollout_rs is not")
+        return ()
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    unknown = [o for o in options if o not in ROLLOUT_RS_OPTIONS]
+    if not options or unknown:
+        raise RolloutRSError("rollout_rs", rollout_rs,
+                             f"must be a comma list of {', '.join(ROLLOUT_RS_OPTIONS)}")
+    specs = _threshold_specs(rollout_rs_threshold, len(options))
+    return tuple(_rule(o, s, rollout_rs_threshold) for o, s in zip(options, specs, strict=True))
+
+
+def _threshold_specs(threshold: str | float | None, n_options: int) -> list[str]:
+    if threshold is None:
+        raise RolloutRSError("rollout_rs_threshold", None, "is required with rollout_rs")
+    if isinstance(threshold, bool) or not isinstance(threshold, str | int | float):
+        raise RolloutRSError("rollout_rs_threshold", threshold, "must be a number or a string")
+    specs = [s.strip() for s in str(threshold).split(",") if s.strip()]
+    if len(specs) not in (1, n_options):
+        raise RolloutRSError("rollout_rs_threshold", threshold,
+                             f"needs one value, or one per rollout_rs option ({n_options})")
+    return specs * n_options if len(specs) == 1 else specs
+
+
+def _rule(option: str, spec: str, threshold: str | float) -> RejectionRule:
+    is_k1 = option.endswith("k1")
+    parts = spec.split("_")
+    try:
+        bounds = [float(p) for p in parts]
+    except ValueError:
+        bounds = []
+    if is_k1 and len(bounds) == 1 and bounds[0] > 0:
+        bounds = [1.0 / bounds[0], bounds[0]]
+    valid = len(bounds) == (2 if is_k1 else 1) and all(b > 0 for b in bounds)
+    if not valid or bounds[0] > bounds[-1]:
+        form = "'lower_upper' or 'upper', 0 < lower <= upper" if is_k1 else "one number > 0"
+        raise RolloutRSError("rollout_rs_threshold", threshold, f"{spec!r} for {option}: {form}")
+    return RejectionRule(option, upper=bounds[-1], lower=bounds[0] if is_k1 else None)
+
+
+def compute_rollout_rejection_mask(
+    log_ratio: Tensor,
+    response_mask: Tensor,
+    rollout_rs: str,
+    rollout_rs_threshold: str | float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's compute_rollout_rejection_mask: which tokens every rollout_rs rule keeps.
+
+    With lr = log pi_old - log pi_behaviour per token, clamped to +-20: k1 = -lr,
+    k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr (r - 1 - log r). "token_k*" tests each token;
+    "seq_sum_k*", "seq_mean_k*" and "seq_max_k*" test the sum, mean or maximum over the row's
+    valid tokens and keep or reject the whole row. Rules are AND-combined; bounds as in
+    `parse_rollout_rs`. Returns (keep: bool, batch x length; metrics): rollout_rs_masked_fraction
+    (rejected share of valid tokens), the same per option, and rollout_rs_seq_masked_fraction
+    (share of non-empty rows with a rejected token).
+    """
+    rules = parse_rollout_rs(rollout_rs, rollout_rs_threshold)
+    with torch.no_grad():
+        mask = response_mask.bool()
+        lr = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
+        lr = lr.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        keep = torch.ones_like(mask)
+        prefix = "rollout_corr/rollout_rs"
+        metrics: dict[str, Tensor] = {}
+        for rule in rules:
+            reduction, estimate = rule.option.rsplit("_", 1)
+            stat = _RS_REDUCTIONS[reduction](_RS_ESTIMATES[estimate](lr), mask).expand_as(lr)
+            kept = stat <= (math.log(rule.upper) if rule.lower is not None else rule.upper)
+            if rule.lower is not None:
+                kept = kept & (stat >= math.log(rule.lower))
+            metrics[f"{prefix}_{rule.option}_masked_fraction"] = masked_mean((~kept).float(), mask)
+            keep = keep & kept
+        rejected = ~keep & mask
+        metrics[f"{prefix}_masked_fraction"] = masked_mean(rejected.float(), mask)
+        metrics[f"{prefix}_seq_masked_fraction"] = masked_mean(
+            rejected.any(dim=-1).float(), mask.any(dim=-1)
+        )
+    return keep, metrics
+
+
+def _keep_within_bounds(
+    log_ratio: Tensor,
+    response_mask: Tensor,
+    icepop: tuple[float | None, float | None],
+    rejection: tuple[float | None, float | None],
+    metrics: dict[str, Tensor],
+) -> Tensor:
+    """IcePop (token ratio) and geometric-mean (sequence) bounds as a keep mask; adds metrics."""
+    keep = torch.ones_like(response_mask.bool())
+    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    if icepop[0] is not None and icepop[1] is not None:
+        outside = (ratio < icepop[0]) | (ratio > icepop[1])
+        keep = keep & ~outside
+        metrics["rollout_corr/icepop_maskfrac"] = masked_mean(outside.float(), response_mask)
+    if rejection[0] is not None and rejection[1] is not None:
+        seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1)
+        rejected = (seq_log_ratio < math.log(rejection[0])) | (
+            seq_log_ratio > math.log(rejection[1])
+        )
+        keep = keep & ~rejected.unsqueeze(-1)
+        nonempty = response_mask.sum(dim=-1) > 0
+        metrics["rollout_corr/rejected_seq_frac"] = masked_mean(rejected.float(), nonempty.float())
+    return keep
+
+
 def compute_rollout_correction(
     log_ratio: Tensor,
     response_mask: Tensor,
     *,
     tis_cap: float | None = None,
+    rollout_is_level: str = "token",
+    rollout_is_batch_normalize: bool = False,
     icepop_low: float | None = None,
     icepop_high: float | None = None,
     rejection_low: float | None = None,
     rejection_high: float | None = None,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: str | float | None = None,
+    masks_only: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Detached per-token weights correcting for the behaviour (rollout) policy.
 
-    `log_ratio` is log pi_old - log pi_behaviour per token. With none of the options set the
-    weights are 1. tis_cap: weight min(ratio, cap) (token-level truncated IS). icepop_low/high:
-    weight ratio (or min(ratio, cap) with TIS) inside [low, high], 0 outside. rejection_low/high:
-    every token of a sequence whose geometric-mean ratio exp(mean log_ratio over valid tokens)
-    is outside [low, high] gets weight 0.
+    `log_ratio` is log pi_old - log pi_behaviour per token; r is its exp. Weights start at 1:
+    1. tis_cap: the truncated IS weights of `compute_rollout_is_weights` (token or sequence
+       level, optionally batch-normalised); without tis_cap but with IcePop bounds, r itself.
+    2. icepop_low/high: 0 where the token ratio r is outside [low, high].
+    3. rejection_low/high: 0 on every token of a sequence whose geometric-mean ratio
+       exp(mean log_ratio over valid tokens) is outside [low, high].
+    4. rollout_rs / rollout_rs_threshold: 0 where `compute_rollout_rejection_mask` rejects.
+    masks_only (bypass mode with a surrogate that already weights by the ratio): step 1 is
+    skipped, so the weights are 0/1 masks and the ratio is not applied a second time.
     Differs from verl: rejected tokens get weight 0 instead of leaving the response mask, so
     loss denominators (and mini-batch token counts for exact accumulation) do not change.
     """
     with torch.no_grad():
         raw = torch.where(response_mask.bool(), log_ratio.detach(), torch.zeros_like(log_ratio))
-        clamped = raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-        ratio = clamped.exp()
-        weights = torch.ones_like(ratio)
+        weights = torch.ones_like(raw)
         metrics: dict[str, Tensor] = {"rollout_corr/kl": masked_mean(-raw, response_mask)}
-        if tis_cap is not None or icepop_low is not None:
-            weights = ratio
-        if tis_cap is not None:
-            weights = ratio.clamp(max=tis_cap)
-            metrics["rollout_corr/tis_clipfrac"] = masked_mean(
-                (ratio > tis_cap).float(), response_mask
+        if not masks_only and tis_cap is not None:
+            weights, is_metrics = compute_rollout_is_weights(
+                raw, response_mask, tis_cap, rollout_is_level, rollout_is_batch_normalize
             )
-        if icepop_low is not None and icepop_high is not None:
-            outside = (ratio < icepop_low) | (ratio > icepop_high)
-            weights = torch.where(outside, torch.zeros_like(weights), weights)
-            metrics["rollout_corr/icepop_maskfrac"] = masked_mean(outside.float(), response_mask)
-        if rejection_low is not None and rejection_high is not None:
-            seq_log_ratio = masked_mean(raw, response_mask, axis=-1)
-            rejected = (seq_log_ratio < math.log(rejection_low)) | (
-                seq_log_ratio > math.log(rejection_high)
+            metrics.update(is_metrics)
+        elif not masks_only and icepop_low is not None:
+            weights = raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+        keep = _keep_within_bounds(
+            raw, response_mask, (icepop_low, icepop_high), (rejection_low, rejection_high), metrics
+        )
+        if rollout_rs is not None:
+            rs_keep, rs_metrics = compute_rollout_rejection_mask(
+                raw, response_mask, rollout_rs, rollout_rs_threshold
             )
-            weights = weights * (~rejected).to(weights.dtype).unsqueeze(-1)
-            nonempty = response_mask.sum(dim=-1) > 0
-            metrics["rollout_corr/rejected_seq_frac"] = masked_mean(
-                rejected.float(), nonempty.float()
-            )
+            keep = keep & rs_keep
+            metrics.update(rs_metrics)
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
     return weights, metrics
 
 
@@ -1107,7 +1459,8 @@ def compute_policy_loss_from_config(
 
     1. bypass: `old_log_prob` := `rollout_log_prob` (no proximal recompute; may pass None).
     2. pg_losses = get_policy_loss_fn(config.loss_mode)(...), a per-token matrix.
-    3. TIS / IcePop / rejection weights from pi_old (bypass: detached pi) vs the behaviour.
+    3. `compute_rollout_correction` weights from pi_old (bypass: detached pi) vs the behaviour;
+       masks only in bypass mode when the surrogate weights by the ratio (vanilla, gspo, cispo).
     4. agg_loss with `num_tokens` / `num_seqs` (mini-batch counts for exact accumulation).
     Returns (loss, metrics) with verl's metric names ("actor/pg_clipfrac", ...).
     """
@@ -1128,16 +1481,21 @@ def compute_policy_loss_from_config(
     )
     if config.corrects_rollout:
         if rollout_log_prob is None:
-            raise ValueError("tis_cap / icepop / rejection bounds need rollout_log_prob")
+            raise ValueError("tis_cap / icepop / rejection / rollout_rs need rollout_log_prob")
         reference = log_prob.detach() if config.bypass else old_log_prob
         weights, corr_metrics = compute_rollout_correction(
             reference - rollout_log_prob,
             response_mask,
             tis_cap=config.tis_cap,
+            rollout_is_level=config.rollout_is_level,
+            rollout_is_batch_normalize=config.rollout_is_batch_normalize,
             icepop_low=config.icepop_low,
             icepop_high=config.icepop_high,
             rejection_low=config.rejection_low,
             rejection_high=config.rejection_high,
+            rollout_rs=config.rollout_rs,
+            rollout_rs_threshold=config.rollout_rs_threshold,
+            masks_only=config.bypass and config.weights_by_ratio,
         )
         pg_losses = pg_losses * weights
         metrics.update(corr_metrics)

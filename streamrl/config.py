@@ -176,11 +176,23 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     tis_cap: float | None = None
-    """Truncated importance sampling cap on pi_proximal / pi_behaviour (None: off)."""
+    """Truncated importance sampling cap on pi_proximal / pi_behaviour (None: off); verl's
+    rollout_is_threshold. In bypass mode only with policy_loss=reinforce."""
+    rollout_is_level: str = "token"
+    """token | sequence: IS weight per token, or the row's product on each of its tokens."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated IS weights by their mean (needs tis_cap)."""
     icepop_low: float | None = None
     icepop_high: float | None = None
     rejection_low: float | None = None
     rejection_high: float | None = None
+    rollout_rs: str | None = None
+    """verl's rejection rules: a comma list of token_k1|2|3, seq_sum_k1|2|3, seq_mean_k1|2|3,
+    seq_max_k2|3 (algos.parse_rollout_rs); quote lists in overrides: 'token_k1,seq_mean_k3'."""
+    rollout_rs_threshold: str | None = None
+    """One bound for every rollout_rs rule, or a comma list with one per rule; k1 rules take
+    'lower_upper' or 'upper', the others an upper bound. Quote it in overrides ('0.5_2'):
+    unquoted, Hydra reads 0.5_2 as the number 0.52."""
     recompute_log_prob: bool = True
     """False is 'bypass' mode: the behaviour log-probs serve as the old log-probs."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -362,6 +374,7 @@ def validate(cfg: Config) -> Config:
                   list(algos.ADV_ESTIMATORS))
     _check_choice("actor.policy_loss", cfg.actor.policy_loss, list(algos.POLICY_LOSSES))
     _check_choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, algos.LOSS_AGG_MODES)
+    _check_choice("actor.rollout_is_level", cfg.actor.rollout_is_level, algos.ROLLOUT_IS_LEVELS)
     _check_choice("actor.kl_loss_type", cfg.actor.kl_loss_type, algos.KL_PENALTY_TYPES)
     _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algos.KL_PENALTY_TYPES)
     _check_choice("algorithm.kl_ctrl_type", cfg.algorithm.kl_ctrl_type, ("fixed", "adaptive"))
@@ -451,6 +464,16 @@ def validate(cfg: Config) -> Config:
         _fail("actor.clip_ratio_c", cfg.actor.clip_ratio_c, "must be > 1 (dual-clip bound)")
     if cfg.actor.tis_cap is not None and cfg.actor.tis_cap <= 0:
         _fail("actor.tis_cap", cfg.actor.tis_cap, "must be > 0 or null")
+    if cfg.actor.tis_cap is None and cfg.actor.rollout_is_level != "token":
+        _fail("actor.rollout_is_level", cfg.actor.rollout_is_level,
+              "sets the level of the truncated IS weights: set actor.tis_cap too")
+    if cfg.actor.tis_cap is None and cfg.actor.rollout_is_batch_normalize:
+        _fail("actor.rollout_is_batch_normalize", True,
+              "normalises the truncated IS weights: set actor.tis_cap too")
+    try:
+        algos.parse_rollout_rs(cfg.actor.rollout_rs, cfg.actor.rollout_rs_threshold)
+    except algos.RolloutRSError as exc:
+        _fail(f"actor.{exc.key}", exc.value, exc.why)
     for lo_key, hi_key in (("actor.icepop_low", "actor.icepop_high"),
                            ("actor.rejection_low", "actor.rejection_high")):
         lo, hi = _lookup(cfg, lo_key), _lookup(cfg, hi_key)
@@ -460,9 +483,12 @@ def validate(cfg: Config) -> Config:
             _fail(lo_key, lo, f"must satisfy 0 <= {lo_key} < {hi_key}={hi}")
     # Importance weights must be applied once: bypass already uses the behaviour policy as the
     # old policy, and decoupled PPO carries its own proximal/behaviour weight.
-    if not cfg.actor.recompute_log_prob and cfg.actor.tis_cap is not None:
+    if (not cfg.actor.recompute_log_prob and cfg.actor.tis_cap is not None
+            and algos.policy_loss_weights_by_ratio(cfg.actor.policy_loss)):
         _fail("actor.tis_cap", cfg.actor.tis_cap,
-              "cannot be combined with actor.recompute_log_prob=false (bypass)")
+              "cannot be combined with actor.recompute_log_prob=false (bypass): the "
+              f"{cfg.actor.policy_loss!r} ratio already is the IS weight (policy_loss=reinforce "
+              "takes it)")
     if not cfg.actor.recompute_log_prob and cfg.actor.policy_loss == "decoupled":
         _fail("actor.policy_loss", cfg.actor.policy_loss,
               "needs recomputed proximal log-probs: set actor.recompute_log_prob=true")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ from streamrl.algos import (
     compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
+    compute_rollout_is_weights,
+    compute_rollout_rejection_mask,
     compute_value_loss,
     entropy_from_logits,
     get_adv_estimator_fn,
@@ -43,9 +46,12 @@ from streamrl.algos import (
     masked_sum,
     masked_var,
     masked_whiten,
+    parse_rollout_rs,
+    policy_loss_weights_by_ratio,
     register_adv_estimator,
     register_policy_loss,
 )
+from streamrl.config import Config, ConfigError, replace, validate
 
 LN = math.log
 
@@ -118,7 +124,10 @@ def test_registries_list_builtins_and_are_read_only() -> None:
     expected = {"gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus"}
     expected |= {"reinforce_plus_plus_baseline", "remax"}
     assert expected <= set(ADV_ESTIMATORS)
-    assert {"vanilla", "gspo", "cispo", "decoupled"} <= set(POLICY_LOSSES)
+    assert {"vanilla", "gspo", "cispo", "decoupled", "reinforce"} <= set(POLICY_LOSSES)
+    # only REINFORCE has no pi / pi_old ratio in its surrogate (bypass then weights it)
+    assert [policy_loss_weights_by_ratio(n) for n in ("vanilla", "gspo", "cispo", "decoupled")]
+    assert not policy_loss_weights_by_ratio("reinforce")
     with pytest.raises(TypeError):
         ADV_ESTIMATORS["evil"] = lambda *a, **k: None  # type: ignore[index]
     with pytest.raises(TypeError):
@@ -169,6 +178,7 @@ LOSS_MASK = t([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # last row empty
     ("mode", "expected"),
     [
         ("token-mean", (1 + 2 + 4) / 3),  # 3 valid tokens
+        ("token-sum", 1 + 2 + 4),  # no normalisation (the learner applies verl's dp_size)
         ("seq-mean-token-sum", (3 + 4) / 2),  # token sums 3 and 4; the empty row is skipped
         ("seq-mean-token-mean", (1.5 + 4) / 2),  # token means 1.5 and 4
         ("seq-mean-token-sum-norm", (3 + 4) / 2 / 3),  # / horizon = width 3
@@ -211,7 +221,8 @@ def test_agg_loss_micro_batches_sum_to_the_mini_batch(mode: str) -> None:
     ]
     assert torch.allclose(sum(parts), whole, atol=1e-6)
     local = sum(agg_loss(loss_mat[i : i + 2], mask[i : i + 2], mode) for i in range(0, 6, 2))
-    assert not torch.allclose(local, whole, atol=1e-3)  # local counts would be wrong
+    if mode != "token-sum":  # a sum needs no counts; the others' local counts would be wrong
+        assert not torch.allclose(local, whole, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------- advantages
@@ -261,6 +272,7 @@ def test_reinforce_plus_plus_by_hand() -> None:
     mean, std = statistics.mean(valid), statistics.stdev(valid)  # 0.95, sqrt(0.45)
     assert close(adv[mask.bool()], [(v - mean) / std for v in valid])
     assert (adv[~mask.bool()] == 0).all()
+    assert (returns[~mask.bool()] == 0).all()  # verl writes 0 at mask-0 positions
 
 
 def test_reinforce_plus_plus_baseline_by_hand() -> None:
@@ -292,6 +304,7 @@ def test_gae_by_hand_with_padding() -> None:
     assert close(adv[0, :3], [(v - mean) / std for v in raw])
 
 
+@pytest.mark.filterwarnings("ignore:GSPO aggregates")
 def test_interior_mask_holes_do_not_change_valid_tokens() -> None:
     # the same two-turn trajectory, once compact and once with observation tokens (mask 0,
     # garbage values and rewards) between the policy tokens
@@ -308,11 +321,12 @@ def test_interior_mask_holes_do_not_change_valid_tokens() -> None:
     a_h, r_h = compute_reinforce_plus_plus_outcome_advantage(holes_r, holes_m, 0.5)
     assert torch.allclose(r_h[valid], r_c.flatten()) and close(r_c, [[0.5, 1.0, 1.0]])
     assert torch.allclose(a_h[valid], a_c.flatten(), atol=1e-6)
+    assert (r_h[~valid] == 0).all() and (a_h[~valid] == 0).all()
     # policy loss: holes carry -inf log-probs and NaN advantages, and must not leak
     lp_c, adv_c = t([[-1.0, -2.0, -0.5]]), t([[1.0, -1.0, 2.0]])
     lp_h = t([[-1.0, -math.inf, -2.0, -math.inf, -math.inf, -0.5]]).requires_grad_()
     adv_h = t([[1.0, math.nan, -1.0, math.nan, math.nan, 2.0]])
-    for mode in ("vanilla", "gspo", "cispo"):
+    for mode in ("vanilla", "gspo", "cispo", "reinforce"):
         for agg in LOSS_AGG_MODES:
             config = PolicyLossConfig(loss_mode=mode, loss_agg_mode=agg)
             old_c = lp_c - 0.1
@@ -419,6 +433,7 @@ def test_kl_loss_aggregates_the_estimator() -> None:
     logp, ref, mask = t([[0.0, -1.0, 5.0]]), t([[-1.0, 0.0, 0.0]]), t([[1, 1, 0]])
     assert close(compute_kl_loss(logp, ref, mask, "k2"), 0.5)
     assert close(compute_kl_loss(logp, ref, mask, "k1"), 0.0)
+    assert close(compute_kl_loss(logp, ref, mask, "k2", "token-sum"), 0.5 + 0.5)
 
 
 # ------------------------------------------------------------------------------- policy losses
@@ -471,7 +486,8 @@ def test_config_entry_point_matches_verl_signature() -> None:
     assert metrics["actor/pg_clipfrac_lower"] == lower.item()
 
 
-@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo", "decoupled"])
+@pytest.mark.filterwarnings("ignore:GSPO aggregates")
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo", "decoupled", "reinforce"])
 def test_extreme_log_ratios_stay_finite(mode: str) -> None:
     # log ratios -100, +100, -100, +30: exp(100) overflows fp32 unless clamped to +-20
     old = t([[-1.0, -101.0, -1.0, -31.0]])
@@ -490,6 +506,7 @@ def test_extreme_log_ratios_stay_finite(mode: str) -> None:
         assert close(metrics["actor/ppo_kl"], 0.0)  # mean of 20, -20, 20, -20 after the clamp
 
 
+@pytest.mark.filterwarnings("ignore:GSPO aggregates")
 def test_gspo_sequence_ratio_with_token_gradient() -> None:
     # log ratios ln 2 and 0 -> s = exp(ln 2 / 2) = sqrt 2 on both tokens, A = +1
     old, new = t([[-1.0, -1.0]]), t([[-1.0 + LN(2), -1.0]]).requires_grad_()
@@ -550,9 +567,14 @@ def _ratio1_loss(config: PolicyLossConfig, behaviour_ratios: list[list[float]]) 
 
 
 def test_truncated_importance_sampling_by_hand() -> None:
-    loss, metrics = _ratio1_loss(PolicyLossConfig(tis_cap=2.0), [[3.0, 0.5]])
-    assert close(loss, (-2.0 - 0.5) / 2)  # weights min(3, 2), 0.5
-    assert metrics["rollout_corr/tis_clipfrac"] == 0.5
+    loss, metrics = _ratio1_loss(PolicyLossConfig(tis_cap=2.0), [[3.0, 0.25]])
+    assert close(loss, (-2.0 - 0.25) / 2)  # weights min(3, 2), 0.25
+    # verl's metrics, before truncation: mean (3 + 0.25) / 2; 3 > 2 and 0.25 < 1/2
+    assert math.isclose(metrics["rollout_corr/rollout_is_mean"], 1.625, rel_tol=1e-6)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.5
+    # ESS on weights clamped to [1/2, 2] = 2, 0.5: mean 1.25, (1.6^2 + 0.4^2) / 2 = 1.36
+    assert math.isclose(metrics["rollout_corr/rollout_is_eff_sample_size"], 1 / 1.36, rel_tol=1e-5)
 
 
 def test_icepop_by_hand() -> None:
@@ -571,18 +593,220 @@ def test_sequence_rejection_by_hand() -> None:
     assert metrics["rollout_corr/rejected_seq_frac"] == 0.5
 
 
+def test_sequence_level_importance_sampling_by_hand() -> None:
+    # row 0: ratios 2, 0.5, 3 -> product 3, capped at 2.5 on all three tokens
+    # row 1: ratios 1.5, 1 (third token is padding with a wild ratio) -> product 1.5
+    old = torch.full((2, 3), -1.0)
+    behav = old - torch.log(t([[2.0, 0.5, 3.0], [1.5, 1.0, 1e6]]))
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    config = PolicyLossConfig(tis_cap=2.5, rollout_is_level="sequence")
+    loss, metrics = compute_policy_loss_from_config(
+        config, old, old, torch.ones(2, 3), mask, rollout_log_prob=behav
+    )
+    assert close(loss, (-2.5 * 3 - 1.5 * 2) / 5)  # PPO ratio 1, A = +1: -w per token
+    assert close(metrics["rollout_corr/rollout_is_mean"], (3 * 3 + 1.5 * 2) / 5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5  # of rows: 3 > 2.5
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.0
+    weights, _ = compute_rollout_is_weights(old - behav, mask, 2.5, "sequence")
+    assert close(weights, [[2.5, 2.5, 2.5], [1.5, 1.5, 0.0]])
+
+
+def test_importance_weight_batch_normalisation_by_hand() -> None:
+    # token level: truncated 2, 0.5 (mean 1.25) -> 1.6, 0.4
+    config = PolicyLossConfig(tis_cap=2.0, rollout_is_batch_normalize=True)
+    loss, metrics = _ratio1_loss(config, [[3.0, 0.5]])
+    assert close(loss, (-1.6 - 0.4) / 2)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == 1.25
+    # sequence level: rows weigh 2 (ratios 2, 1) and 0.5 (one token); the mean is over rows
+    log_ratio = torch.log(t([[2.0, 1.0], [0.5, 7.0]]))
+    mask = t([[1, 1], [1, 0]])
+    weights, metrics = compute_rollout_is_weights(log_ratio, mask, 4.0, "sequence", True)
+    assert close(weights, [[1.6, 1.6], [0.4, 0.0]])
+    assert math.isclose(metrics["rollout_corr/rollout_is_batch_norm_factor"], 1.25, rel_tol=1e-6)
+
+
+def test_reinforce_loss_by_hand() -> None:
+    # -A * log_prob: -(1 * -1) = 1, -(-1 * -2) = -2, -(2 * -0.5) = 1; gradient -A / 3
+    new = t([[-1.0, -2.0, -0.5]]).requires_grad_()
+    adv, mask = t([[1.0, -1.0, 2.0]]), torch.ones(1, 3)
+    config = PolicyLossConfig(loss_mode="reinforce")
+    loss, metrics = compute_policy_loss_from_config(config, new.detach() - 0.1, new, adv, mask)
+    assert close(loss, (1 - 2 + 1) / 3)
+    loss.backward()
+    assert new.grad is not None and close(new.grad, [[-1 / 3, 1 / 3, -2 / 3]])
+    assert math.isclose(metrics["actor/ppo_kl"], -0.1, rel_tol=1e-5)
+    # truncated IS from pi_old / pi_behaviour = 3, 0.5, 1 (cap 2): weights 2, 0.5, 1
+    behav = new.detach() - torch.log(t([[3.0, 0.5, 1.0]]))
+    tis = PolicyLossConfig(loss_mode="reinforce", tis_cap=2.0)
+    loss, _ = compute_policy_loss_from_config(
+        tis, new.detach(), new.detach(), adv, mask, rollout_log_prob=behav
+    )
+    assert close(loss, (1 * 2 - 2 * 0.5 + 1 * 1) / 3)
+
+
+def test_bypass_reinforce_takes_truncated_weights_from_the_current_policy() -> None:
+    # pi / pi_behaviour = 1.5, 0.5, 0.5, 5 (cap 2 -> 1.5, 0.5, 0.5, 2), A = 1, 1, -1, -1:
+    # loss mean(-A * log_prob * w), gradient -A * w / 4 (w detached)
+    config = PolicyLossConfig(loss_mode="reinforce", bypass=True, tis_cap=2.0)
+    new = NEW.clone().requires_grad_()
+    loss, _ = compute_policy_loss_from_config(config, None, new, ADVS, ONES, rollout_log_prob=OLD)
+    w = [1.5, 0.5, 0.5, 2.0]
+    lp = [o + LN(r) for o, r in zip([-1.0, -2.0, -0.5, -3.0], RATIOS)]
+    a = [1.0, 1.0, -1.0, -1.0]
+    assert close(loss, sum(-ai * li * wi for ai, li, wi in zip(a, lp, w)) / 4)
+    loss.backward()
+    assert new.grad is not None and close(new.grad, [[-0.375, -0.125, 0.125, 0.5]])
+
+
+# two rows of pi_old / pi_behaviour ratios for the rejection rules
+RS_RATIOS = [[2.0, 1.0, 0.5], [1.1, 1 / 1.1, 1.0]]
+
+
+def _k_stats(r: float) -> dict[str, float]:
+    """k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r, written out."""
+    return {"k1": -LN(r), "k2": 0.5 * LN(r) ** 2, "k3": r - 1 - LN(r)}
+
+
+def _expected_keep(option: str, lower: float | None, upper: float) -> list[list[bool]]:
+    """The keep mask of one rule, by a plain loop over RS_RATIOS."""
+    level, k = option.rsplit("_", 1)
+    lo = -math.inf if lower is None else LN(lower)
+    hi = upper if lower is None else LN(upper)
+    rows = []
+    for row in RS_RATIOS:
+        stats = [_k_stats(r)[k] for r in row]
+        if level == "token":
+            rows.append([lo <= x <= hi for x in stats])
+            continue
+        agg = {"seq_sum": sum(stats), "seq_mean": sum(stats) / len(stats), "seq_max": max(stats)}
+        rows.append([lo <= agg[level] <= hi] * len(row))
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("option", "threshold", "lower", "upper"),
+    [
+        ("token_k1", "0.6_1.5", 0.6, 1.5),
+        ("token_k1", 1.5, 1 / 1.5, 1.5),  # one number: lower = 1 / upper
+        ("token_k2", 0.1, None, 0.1),
+        ("token_k3", "0.2", None, 0.2),
+        ("seq_sum_k1", "0.9_1.2", 0.9, 1.2),
+        ("seq_sum_k2", 0.3, None, 0.3),
+        ("seq_sum_k3", 0.4, None, 0.4),
+        ("seq_mean_k1", "0.95_1.05", 0.95, 1.05),
+        ("seq_mean_k2", 0.1, None, 0.1),
+        ("seq_mean_k3", 0.15, None, 0.15),
+        ("seq_max_k2", 0.2, None, 0.2),
+        ("seq_max_k3", 0.25, None, 0.25),
+    ],
+)
+def test_rejection_rules_match_a_plain_formula(
+    option: str, threshold: object, lower: float | None, upper: float
+) -> None:
+    log_ratio = torch.log(t(RS_RATIOS))
+    keep, metrics = compute_rollout_rejection_mask(log_ratio, torch.ones(2, 3), option, threshold)
+    expected = _expected_keep(option, lower, upper)
+    assert keep.tolist() == expected
+    rejected = sum(not k for row in expected for k in row)
+    assert close(metrics["rollout_corr/rollout_rs_masked_fraction"], rejected / 6)
+
+
+def test_rejection_rules_by_hand_and_combined() -> None:
+    # row 0: k3 = 2 - 1 - ln 2 = 0.307, 0, 0.5 - 1 + ln 2 = 0.193 ; k2 = 0.240, 0, 0.240
+    # row 1: every k2, k3 < 0.005
+    log_ratio = torch.log(t(RS_RATIOS))
+    ones = torch.ones(2, 3)
+    keep, _ = compute_rollout_rejection_mask(log_ratio, ones, "token_k3", 0.2)
+    assert keep.tolist() == [[False, True, True], [True, True, True]]
+    keep, _ = compute_rollout_rejection_mask(log_ratio, ones, "seq_mean_k3", 0.15)  # 0.167
+    assert keep.tolist() == [[False] * 3, [True] * 3]
+    # AND of both, thresholds per option: token_k3 <= 0.2 and seq_max_k2 <= 0.3 (0.240 passes)
+    keep, metrics = compute_rollout_rejection_mask(
+        log_ratio, ones, "token_k3,seq_max_k2", "0.2,0.3"
+    )
+    assert keep.tolist() == [[False, True, True], [True, True, True]]
+    assert math.isclose(metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 0.5)
+    assert metrics["rollout_corr/rollout_rs_seq_max_k2_masked_fraction"] == 0.0
+    keep, _ = compute_rollout_rejection_mask(log_ratio, ones, "token_k3,seq_max_k2", 0.2)
+    assert keep.tolist() == [[False] * 3, [True] * 3]
+
+
+def test_rejected_tokens_weigh_zero_but_stay_in_the_denominator() -> None:
+    # Differs from verl (which drops them from the mask): token-mean still divides by all 6
+    # tokens; PPO ratio 1 and A = +1 give -1 for each of the 4 kept tokens
+    config = PolicyLossConfig(rollout_rs="token_k3,seq_max_k2", rollout_rs_threshold="0.2,0.3")
+    loss, metrics = _ratio1_loss(config, RS_RATIOS)
+    assert close(loss, -5 / 6)
+    assert math.isclose(metrics["rollout_corr/rollout_rs_masked_fraction"], 1 / 6, rel_tol=1e-6)
+    seq = PolicyLossConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.15, tis_cap=1.5)
+    loss, _ = _ratio1_loss(seq, RS_RATIOS)  # row 0 rejected; row 1 weights 1.1, 1/1.1, 1
+    assert close(loss, -(1.1 + 1 / 1.1 + 1.0) / 6)
+
+
+def test_parse_rollout_rs_rules_and_errors() -> None:
+    rules = parse_rollout_rs("token_k1, seq_mean_k3,token_k1", "0.5_2,0.01")
+    assert [(r.option, r.lower, r.upper) for r in rules] == [
+        ("token_k1", 0.5, 2.0),
+        ("seq_mean_k3", None, 0.01),
+    ]
+    assert parse_rollout_rs(None, None) == ()
+    bad = [
+        (("token_k4", 1.0), "rollout_rs"),
+        (("seq_max_k1", 1.0), "rollout_rs"),
+        ((" , ", 1.0), "rollout_rs"),
+        (("token_k2", None), "rollout_rs_threshold"),
+        ((None, 2.0), "rollout_rs_threshold"),
+        (("token_k2,token_k3", "1,2,3"), "rollout_rs_threshold"),
+        (("token_k2", "0.5_2"), "rollout_rs_threshold"),  # k2 takes one bound
+        (("token_k1", "2_0.5"), "rollout_rs_threshold"),  # lower > upper
+        (("token_k3", -1.0), "rollout_rs_threshold"),
+        (("token_k3", "abc"), "rollout_rs_threshold"),
+    ]
+    for args, key in bad:
+        with pytest.raises(algos.RolloutRSError) as info:
+            parse_rollout_rs(*args)
+        assert info.value.key == key, args
+
+
+def test_gspo_warns_when_aggregation_differs_from_verl() -> None:
+    with pytest.warns(UserWarning, match="seq-mean-token-mean"):
+        PolicyLossConfig(loss_mode="gspo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PolicyLossConfig(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")
+
+
 def test_bypass_uses_behaviour_log_probs_as_old() -> None:
     behav = OLD
     config = PolicyLossConfig(bypass=True, clip_ratio=0.2)
     loss, _ = compute_policy_loss_from_config(config, None, NEW, ADVS, ONES, rollout_log_prob=behav)
     ref, *_ = compute_policy_loss(behav, NEW, ADVS, ONES, cliprange=0.2)
     assert torch.equal(loss, ref)
-    # IcePop in bypass compares the current policy with the behaviour: ratio 5 is outside [0.4, 2]
-    icepop = PolicyLossConfig(bypass=True, icepop_low=0.4, icepop_high=2.0)
-    loss, _ = compute_policy_loss_from_config(icepop, None, NEW, ADVS, ONES, rollout_log_prob=behav)
-    assert close(loss, (-1.2 * 1.5 - 0.5 * 0.5 + 0.8 * 0.5 + 0.0) / 4)
     with pytest.raises(ValueError, match="rollout_log_prob"):
         compute_policy_loss_from_config(config, None, NEW, ADVS, ONES)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "cispo"])
+def test_bypass_icepop_masks_without_weighting_twice(mode: str) -> None:
+    # In bypass the surrogate's ratio already is pi / pi_behaviour (1.5, 0.5, 0.5, 5). IcePop
+    # [0.4, 2] may only drop the ratio-5 token; weighting the kept ones by the ratio again gave
+    # -A r^2 (vanilla: (-1.2 * 1.5 - 0.5 * 0.5 + 0.8 * 0.5) / 4), the bug this pins.
+    icepop = PolicyLossConfig(loss_mode=mode, bypass=True, icepop_low=0.4, icepop_high=2.0)
+    new = NEW.clone().requires_grad_()
+    loss, metrics = compute_policy_loss_from_config(
+        icepop, None, new, ADVS, ONES, rollout_log_prob=OLD
+    )
+    plain = PolicyLossConfig(loss_mode=mode)
+    keep = t([[1.0, 1.0, 1.0, 0.0]])
+    per_token, _ = get_policy_loss_fn(mode)(OLD, NEW, ADVS, ONES, plain)
+    assert torch.allclose(loss, (per_token * keep).sum() / 4)
+    if mode == "vanilla":
+        assert close(loss, (-1.2 - 0.5 + 0.8 + 0.0) / 4)
+    loss.backward()
+    # vanilla: only the unclipped token moves, d(-A r)/dlogp = -0.5 (double weighting: -0.25)
+    if mode == "vanilla":
+        assert new.grad is not None and close(new.grad, [[0.0, -0.125, 0.0, 0.0]])
+    assert metrics["rollout_corr/icepop_maskfrac"] == 0.25
 
 
 @pytest.mark.parametrize(
@@ -595,12 +819,25 @@ def test_bypass_uses_behaviour_log_probs_as_old() -> None:
         {"rejection_low": 2.0, "rejection_high": 1.0},
         {"tis_cap": 0.0},
         {"bypass": True, "tis_cap": 2.0},
+        {"bypass": True, "tis_cap": 2.0, "loss_mode": "cispo"},
+        {"bypass": True, "loss_mode": "decoupled"},
         {"loss_mode": "decoupled", "tis_cap": 2.0},
+        {"tis_cap": 2.0, "rollout_is_level": "geometric"},
+        {"rollout_is_level": "sequence"},  # no tis_cap to truncate at
+        {"rollout_is_batch_normalize": True},
+        {"rollout_rs": "token_k2"},  # no threshold
+        {"rollout_rs_threshold": 2.0},  # no rules
+        {"rollout_rs": "token_k9", "rollout_rs_threshold": 2.0},
     ],
 )
 def test_policy_loss_config_rejects_bad_settings(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         PolicyLossConfig(**kwargs)
+
+
+def test_bypass_reinforce_accepts_truncated_weights() -> None:
+    config = PolicyLossConfig(loss_mode="reinforce", bypass=True, tis_cap=2.0)
+    assert config.corrects_rollout and not config.weights_by_ratio
 
 
 def test_corrections_need_behaviour_log_probs() -> None:
@@ -615,9 +852,15 @@ def test_policy_loss_micro_batches_sum_to_the_mini_batch() -> None:
     behav = old + 0.3 * torch.randn(4, 5, generator=gen)
     adv = torch.randn(4, 5, generator=gen)
     mask = (torch.arange(5)[None] < torch.tensor([5, 2, 0, 4])[:, None]).float()
-    for agg in LOSS_AGG_MODES:
+    for agg, level in zip(LOSS_AGG_MODES, ["token", "sequence"] * len(LOSS_AGG_MODES)):
         config = PolicyLossConfig(
-            loss_agg_mode=agg, tis_cap=1.5, rejection_low=0.5, rejection_high=2.0
+            loss_agg_mode=agg,
+            tis_cap=1.5,
+            rollout_is_level=level,
+            rejection_low=0.5,
+            rejection_high=2.0,
+            rollout_rs="token_k3,seq_mean_k2",
+            rollout_rs_threshold="0.3,0.05",
         )
         counts = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum()}
         whole, _ = compute_policy_loss_from_config(
@@ -643,6 +886,8 @@ def test_value_loss_by_hand() -> None:
     vf_loss, clipfrac = compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
     assert close(vf_loss, 0.5 * (1.69 + 4.0) / 2)
     assert close(clipfrac, 0.5)
+    summed, _ = compute_value_loss(vpreds, returns, values, mask, 0.2, "token-sum")
+    assert close(summed, 0.5 * (1.69 + 4.0))
 
 
 def test_entropy_loss_aggregates_token_entropy() -> None:
@@ -652,7 +897,48 @@ def test_entropy_loss_aggregates_token_entropy() -> None:
     assert close(compute_entropy_loss(logits, mask), expected)
 
 
+# ------------------------------------------------------------------------------- config keys
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"actor.rollout_is_level": "seq"}, r"actor.rollout_is_level='seq': must be one of"),
+        ({"actor.rollout_is_level": "sequence"}, r"actor.rollout_is_level='sequence': .*tis_cap"),
+        ({"actor.rollout_is_batch_normalize": True}, r"actor.rollout_is_batch_normalize=True"),
+        ({"actor.rollout_rs": "token_k4", "actor.rollout_rs_threshold": "2"},
+         r"actor.rollout_rs='token_k4': must be a comma list"),
+        ({"actor.rollout_rs": "token_k2"}, r"actor.rollout_rs_threshold=None: is required"),
+        ({"actor.rollout_rs": "token_k2", "actor.rollout_rs_threshold": "1_2"},
+         r"actor.rollout_rs_threshold='1_2': '1_2' for token_k2"),
+        ({"actor.rollout_rs_threshold": "2"}, r"actor.rollout_rs_threshold='2': is set but"),
+        ({"actor.recompute_log_prob": False, "actor.tis_cap": 2.0}, r"actor.tis_cap=2.0: cannot"),
+    ],
+)
+def test_config_validate_names_rollout_correction_keys(changes: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        validate(replace(Config(), **changes))
+
+
+def test_config_accepts_new_options() -> None:
+    cfg = replace(
+        Config(),
+        **{
+            "actor.loss_agg_mode": "token-sum",
+            "actor.policy_loss": "reinforce",
+            "actor.recompute_log_prob": False,
+            "actor.tis_cap": 2.0,
+            "actor.rollout_is_level": "sequence",
+            "actor.rollout_is_batch_normalize": True,
+            "actor.rollout_rs": "token_k1,seq_max_k3",
+            "actor.rollout_rs_threshold": "0.5_2.0,0.1",
+        },
+    )
+    assert validate(cfg) is cfg
+
+
 def test_module_has_no_streamrl_imports() -> None:
     source = Path(algos.__file__).read_text(encoding="utf-8")
     assert "from streamrl" not in source and "import streamrl" not in source
     assert "torch.distributed" not in source
+

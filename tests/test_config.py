@@ -158,7 +158,7 @@ def test_bad_mode_names_value() -> None:
     ({"rollout.n": 1}, r"rollout.n=1: must be >= 2 with algorithm.adv_estimator='grpo'"),
     ({"buffer.max_staleness": -1}, r"buffer.max_staleness=-1: must be >= 0"),
     ({"algorithm.adv_estimator": "magic"}, r"algorithm.adv_estimator='magic': must be one of"),
-    ({"actor.loss_agg_mode": "token-sum"}, r"actor.loss_agg_mode='token-sum'"),
+    ({"actor.loss_agg_mode": "token-sum-mean"}, r"actor.loss_agg_mode='token-sum-mean'"),
     ({"actor.policy_loss": "ppo3"}, r"actor.policy_loss='ppo3'"),
     ({"actor.kl_loss_type": "k9"}, r"actor.kl_loss_type='k9'"),
     ({"actor.ppo_micro_batch_size": 32}, r"actor.ppo_micro_batch_size=32: is larger than"),

@@ -39,10 +39,14 @@ def policy_loss_config(actor: ActorConfig) -> algos.PolicyLossConfig:
         loss_agg_mode=actor.loss_agg_mode,
         bypass=not actor.recompute_log_prob,
         tis_cap=actor.tis_cap,
+        rollout_is_level=actor.rollout_is_level,
+        rollout_is_batch_normalize=actor.rollout_is_batch_normalize,
         icepop_low=actor.icepop_low,
         icepop_high=actor.icepop_high,
         rejection_low=actor.rejection_low,
         rejection_high=actor.rejection_high,
+        rollout_rs=actor.rollout_rs,
+        rollout_rs_threshold=actor.rollout_rs_threshold,
     )
 
 
