@@ -203,6 +203,9 @@ class CriticConfig:
     enable: bool = False
     """Forced on by adv_estimator=gae."""
     cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the value loss (the modes of actor.loss_agg_mode). verl's default follows
+    actor.loss_agg_mode; here it is token-mean unless set."""
     ppo_epochs: int = 2
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
 
@@ -374,6 +377,7 @@ def validate(cfg: Config) -> Config:
                   list(algos.ADV_ESTIMATORS))
     _check_choice("actor.policy_loss", cfg.actor.policy_loss, list(algos.POLICY_LOSSES))
     _check_choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, algos.LOSS_AGG_MODES)
+    _check_choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, algos.LOSS_AGG_MODES)
     _check_choice("actor.rollout_is_level", cfg.actor.rollout_is_level, algos.ROLLOUT_IS_LEVELS)
     _check_choice("actor.kl_loss_type", cfg.actor.kl_loss_type, algos.KL_PENALTY_TYPES)
     _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algos.KL_PENALTY_TYPES)

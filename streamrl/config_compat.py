@@ -1,6 +1,7 @@
 """verl compatibility: verl's dotted config keys, and keys streamrl renamed.
 
 - ``VERL_ALIASES``: verl keys accepted as overrides (``actor_rollout_ref.rollout.n=4``),
+- ``VERL_VALUES``: the aliased verl keys whose values differ from ours, value by value,
 - ``RENAMED_KEYS``: keys that moved; using the old name fails with where it went,
 - ``translate_overrides``: applies both to a list of ``key=value`` overrides.
 
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 
 from streamrl.errors import ConfigError
 
-# verl's dotted keys -> ours. Values are taken as they are.
+# verl's dotted keys -> ours. Values are taken as they are, except VERL_VALUES' keys.
 VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
@@ -46,6 +47,7 @@ VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps": "actor.optim.warmup_steps",
     "critic.optim.lr": "critic.optim.lr",
     "critic.cliprange_value": "critic.cliprange_value",
+    "critic.loss_agg_mode": "critic.loss_agg_mode",
     "critic.ppo_epochs": "critic.ppo_epochs",
     "algorithm.adv_estimator": "algorithm.adv_estimator",
     "algorithm.gamma": "algorithm.gamma",
@@ -57,6 +59,15 @@ VERL_ALIASES: dict[str, str] = {
     "algorithm.kl_ctrl.kl_coef": "algorithm.kl_coef",
     "algorithm.kl_ctrl.target_kl": "algorithm.target_kl",
     "algorithm.kl_ctrl.horizon": "algorithm.horizon",
+    # verl's rollout correction. IS is on when actor.tis_cap is set: verl's rollout_is=token
+    # with its default threshold (2.0) needs rollout_is_threshold=2.0 here too.
+    "algorithm.rollout_correction.rollout_is": "actor.rollout_is_level",
+    "algorithm.rollout_correction.rollout_is_threshold": "actor.tis_cap",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": "actor.rollout_is_batch_normalize",
+    "algorithm.rollout_correction.rollout_rs": "actor.rollout_rs",
+    "algorithm.rollout_correction.rollout_rs_threshold": "actor.rollout_rs_threshold",
+    "algorithm.rollout_correction.bypass_mode": "actor.recompute_log_prob",
+    "algorithm.rollout_correction.loss_type": "actor.policy_loss",
     "data.train_batch_size": "task.train_batch_size",
     "data.max_prompt_length": "task.max_prompt_length",
     "data.max_response_length": "rollout.max_new_tokens",
@@ -76,6 +87,16 @@ VERL_ALIASES: dict[str, str] = {
     "trainer.n_gpus_per_node": "learner.world_size",
 }
 
+# Aliased verl keys whose values are not ours: verl value (any case) -> ours; any other value
+# fails naming the verl key. bypass_mode is the negation of recompute_log_prob; loss_type (verl
+# reads it in bypass mode only) picks PPO-clip (vanilla) or REINFORCE whatever the mode; verl's
+# rollout_is=null (no IS weights) is actor.tis_cap=null here.
+VERL_VALUES: dict[str, dict[str, str]] = {
+    "algorithm.rollout_correction.rollout_is": {"token": "token", "sequence": "sequence"},
+    "algorithm.rollout_correction.bypass_mode": {"true": "false", "false": "true"},
+    "algorithm.rollout_correction.loss_type": {"ppo_clip": "vanilla", "reinforce": "reinforce"},
+}
+
 # Keys that existed under another name: using the old one fails with where it went.
 RENAMED_KEYS: dict[str, str] = {
     "rollout.response_length": "rollout.max_new_tokens",
@@ -86,7 +107,8 @@ RENAMED_KEYS: dict[str, str] = {
 
 
 def translate_overrides(overrides: list[str], modes: Iterable[str]) -> list[str]:
-    """Map verl-style dotted keys to ours; renamed keys fail with a migration message.
+    """Map verl-style dotted keys (and the values of VERL_VALUES' keys) to ours; renamed keys
+    fail with a migration message.
 
     Also accepts ``trainer.mode=X`` (X one of ``modes``) as the ``mode=X`` preset selection.
     """
@@ -105,8 +127,21 @@ def translate_overrides(overrides: list[str], modes: Iterable[str]) -> list[str]
             if value not in modes:
                 raise ConfigError(f"trainer.mode={value!r}: must be one of {modes}")
             key = "mode"
+        if key in VERL_VALUES:
+            value = _verl_value(key, value)
         key = VERL_ALIASES.get(key, key)
         if key == "trainer.logger" and value.startswith("[") and "'" in value:
             value = value.replace("'", "")
         out.append(f"{prefix}{key}={value}")
     return out
+
+
+def _verl_value(key: str, value: str) -> str:
+    values = VERL_VALUES[key]
+    ours = values.get(value.strip("'\"").lower())
+    if ours is None:
+        hint = ("; verl's null (no IS weights) is actor.tis_cap=null"
+                if key == "algorithm.rollout_correction.rollout_is" else "")
+        raise ConfigError(f"{key}={value!r}: must be one of {tuple(values)} "
+                          f"(streamrl's {VERL_ALIASES[key]}){hint}")
+    return ours

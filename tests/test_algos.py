@@ -51,7 +51,6 @@ from streamrl.algos import (
     register_adv_estimator,
     register_policy_loss,
 )
-from streamrl.config import Config, ConfigError, replace, validate
 
 LN = math.log
 
@@ -895,46 +894,6 @@ def test_entropy_loss_aggregates_token_entropy() -> None:
     mask = t([[1, 1, 0]])
     expected = (LN(2) - (0.25 * LN(0.25) + 0.75 * LN(0.75))) / 2
     assert close(compute_entropy_loss(logits, mask), expected)
-
-
-# ------------------------------------------------------------------------------- config keys
-
-
-@pytest.mark.parametrize(
-    ("changes", "pattern"),
-    [
-        ({"actor.rollout_is_level": "seq"}, r"actor.rollout_is_level='seq': must be one of"),
-        ({"actor.rollout_is_level": "sequence"}, r"actor.rollout_is_level='sequence': .*tis_cap"),
-        ({"actor.rollout_is_batch_normalize": True}, r"actor.rollout_is_batch_normalize=True"),
-        ({"actor.rollout_rs": "token_k4", "actor.rollout_rs_threshold": "2"},
-         r"actor.rollout_rs='token_k4': must be a comma list"),
-        ({"actor.rollout_rs": "token_k2"}, r"actor.rollout_rs_threshold=None: is required"),
-        ({"actor.rollout_rs": "token_k2", "actor.rollout_rs_threshold": "1_2"},
-         r"actor.rollout_rs_threshold='1_2': '1_2' for token_k2"),
-        ({"actor.rollout_rs_threshold": "2"}, r"actor.rollout_rs_threshold='2': is set but"),
-        ({"actor.recompute_log_prob": False, "actor.tis_cap": 2.0}, r"actor.tis_cap=2.0: cannot"),
-    ],
-)
-def test_config_validate_names_rollout_correction_keys(changes: dict, pattern: str) -> None:
-    with pytest.raises(ConfigError, match=pattern):
-        validate(replace(Config(), **changes))
-
-
-def test_config_accepts_new_options() -> None:
-    cfg = replace(
-        Config(),
-        **{
-            "actor.loss_agg_mode": "token-sum",
-            "actor.policy_loss": "reinforce",
-            "actor.recompute_log_prob": False,
-            "actor.tis_cap": 2.0,
-            "actor.rollout_is_level": "sequence",
-            "actor.rollout_is_batch_normalize": True,
-            "actor.rollout_rs": "token_k1,seq_max_k3",
-            "actor.rollout_rs_threshold": "0.5_2.0,0.1",
-        },
-    )
-    assert validate(cfg) is cfg
 
 
 def test_module_has_no_streamrl_imports() -> None:

@@ -19,7 +19,7 @@ from streamrl.config import (
     validate,
     with_mode,
 )
-from streamrl.config_compat import VERL_ALIASES, translate_overrides
+from streamrl.config_compat import VERL_ALIASES, VERL_VALUES, translate_overrides
 
 
 def test_defaults_compose_and_validate() -> None:
@@ -127,6 +127,46 @@ def test_every_alias_target_exists() -> None:
         for part in ours.split("."):
             assert hasattr(obj, part), f"{verl_key} -> {ours}: no field {part!r}"
             obj = getattr(obj, part)
+    assert set(VERL_VALUES) <= set(VERL_ALIASES)
+
+
+def test_verl_rollout_correction_and_critic_aliases() -> None:
+    cfg = load_config([
+        "algorithm=ppo",
+        "critic.loss_agg_mode=token-sum",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_threshold=2.5",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=True",
+        "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.01",
+    ])
+    assert cfg.critic.loss_agg_mode == "token-sum"
+    assert not cfg.actor.recompute_log_prob and cfg.actor.policy_loss == "reinforce"
+    assert (cfg.actor.rollout_is_level, cfg.actor.tis_cap) == ("sequence", 2.5)
+    assert cfg.actor.rollout_is_batch_normalize
+    assert (cfg.actor.rollout_rs, cfg.actor.rollout_rs_threshold) == ("seq_mean_k3", "0.01")
+    decoupled = load_config(["algorithm.rollout_correction.bypass_mode=False",
+                             "algorithm.rollout_correction.loss_type=ppo_clip",
+                             "algorithm.rollout_correction.rollout_rs='token_k1,seq_max_k2'",
+                             "algorithm.rollout_correction.rollout_rs_threshold='0.5_2,0.1'"])
+    assert decoupled.actor.recompute_log_prob and decoupled.actor.policy_loss == "vanilla"
+    assert decoupled.actor.rollout_rs == "token_k1,seq_max_k2"
+    assert decoupled.actor.rollout_rs_threshold == "0.5_2,0.1"
+
+
+@pytest.mark.parametrize(("override", "pattern"), [
+    ("algorithm.rollout_correction.bypass_mode=maybe",
+     r"bypass_mode='maybe': must be one of \('true', 'false'\) "
+     r"\(streamrl's actor.recompute_log_prob\)"),
+    ("algorithm.rollout_correction.loss_type=gspo", r"loss_type='gspo': must be one of"),
+    ("algorithm.rollout_correction.rollout_is=null", r"rollout_is='null'.*actor.tis_cap=null"),
+])
+def test_verl_value_outside_the_translation_names_the_verl_key(override: str, pattern: str
+                                                               ) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        translate_overrides([override], MODES)
 
 
 def test_gae_turns_on_critic() -> None:
@@ -173,6 +213,17 @@ def test_bad_mode_names_value() -> None:
     ({"task.max_prompt_length": 600}, r"rollout.max_model_len=512"),
     ({"actor.ppo_max_token_len": 10}, r"actor.ppo_max_token_len=10"),
     ({"actor.recompute_log_prob": False, "actor.tis_cap": 2.0}, r"actor.tis_cap=2.0: cannot"),
+    ({"critic.loss_agg_mode": "token-avg"}, r"critic.loss_agg_mode='token-avg': must be one of"),
+    ({"actor.rollout_is_level": "seq"}, r"actor.rollout_is_level='seq': must be one of"),
+    ({"actor.rollout_is_level": "sequence"}, r"actor.rollout_is_level='sequence': .*tis_cap"),
+    ({"actor.rollout_is_batch_normalize": True},
+     r"actor.rollout_is_batch_normalize=True: .*tis_cap"),
+    ({"actor.rollout_rs": "token_k4", "actor.rollout_rs_threshold": "2"},
+     r"actor.rollout_rs='token_k4': must be a comma list"),
+    ({"actor.rollout_rs": "token_k2"}, r"actor.rollout_rs_threshold=None: is required"),
+    ({"actor.rollout_rs": "token_k2", "actor.rollout_rs_threshold": "1_2"},
+     r"actor.rollout_rs_threshold='1_2': '1_2' for token_k2"),
+    ({"actor.rollout_rs_threshold": "2"}, r"actor.rollout_rs_threshold='2': is set but"),
     ({"actor.recompute_log_prob": False, "actor.policy_loss": "decoupled"},
      r"actor.policy_loss='decoupled': needs recomputed"),
     ({"actor.policy_loss": "decoupled", "actor.tis_cap": 2.0}, r"already weights"),
@@ -189,6 +240,27 @@ def test_validate_names_key_and_value(changes: dict, pattern: str) -> None:
 
 def test_valid_default_dataclass_passes() -> None:
     assert validate(Config()) == Config()
+
+
+def test_loss_aggregation_and_rollout_correction_overrides_compose() -> None:
+    cfg = load_config([
+        "actor.loss_agg_mode=token-sum",
+        "critic.loss_agg_mode=token-sum",
+        "actor.policy_loss=reinforce",
+        "actor.recompute_log_prob=false",  # bypass takes truncated IS weights with reinforce
+        "actor.tis_cap=2.0",
+        "actor.rollout_is_level=sequence",
+        "actor.rollout_is_batch_normalize=true",
+        "actor.rollout_rs='token_k1,seq_max_k3'",
+        "actor.rollout_rs_threshold='0.5_2.0,0.1'",
+    ])
+    assert (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode) == ("token-sum", "token-sum")
+    assert cfg.actor.policy_loss == "reinforce" and not cfg.actor.recompute_log_prob
+    assert (cfg.actor.tis_cap, cfg.actor.rollout_is_level) == (2.0, "sequence")
+    assert cfg.actor.rollout_is_batch_normalize
+    assert cfg.actor.rollout_rs == "token_k1,seq_max_k3"
+    assert cfg.actor.rollout_rs_threshold == "0.5_2.0,0.1"
+    assert Config().critic.loss_agg_mode == "token-mean"
 
 
 def test_cli_reports_config_error_without_traceback(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,8 +2,9 @@
 
 ``compute_values`` gives [B, R] values (the value of the state before each response token, as
 verl's critic); ``update`` runs critic.ppo_epochs x the actor's mini/micro-batch plan with
-verl's clipped value loss (critic.cliprange_value) around the rollout-time values, token-mean
-aggregated with global counts. Gradient clipping uses actor.grad_clip (no separate key).
+verl's clipped value loss (critic.cliprange_value) around the rollout-time values, aggregated
+by critic.loss_agg_mode with global counts. Gradient clipping uses actor.grad_clip (no separate
+key).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Critic:
         mask = mb.column("response_mask", dev)
         vf_loss, clipfrac = algos.compute_value_loss(
             vpreds, mb.column("returns", dev), mb.column("values", dev), mask,
-            self.cfg.critic.cliprange_value, "token-mean",
+            self.cfg.critic.cliprange_value, self.cfg.critic.loss_agg_mode,
             num_tokens=counts.tokens, num_seqs=counts.seqs,
         )
         weight = float(mask.sum())

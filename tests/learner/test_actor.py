@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamrl import algos
+from streamrl.learner.actor import policy_loss_config
 from streamrl.learner.forward import MicroBatch, policy_forward, value_forward
 from streamrl.learner.fsdp import load_causal_lm, load_value_model
 from streamrl.learner.optim import lr_factor
@@ -101,7 +103,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) 
     {"actor.icepop_low": 0.5, "actor.icepop_high": 2.0, "actor.recompute_log_prob": False},
     {"actor.rejection_low": 0.5, "actor.rejection_high": 2.0,
      "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.entropy_coeff": 0.01},
-], ids=["gspo", "cispo", "decoupled", "tis", "icepop-bypass", "rejection"])
+    {"actor.rollout_rs": "token_k1,seq_mean_k3", "actor.rollout_rs_threshold": "0.95_1.05,0.01",
+     "actor.loss_agg_mode": "token-sum"},
+], ids=["gspo", "cispo", "decoupled", "tis", "icepop-bypass", "rejection", "rollout-rs"])
 def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
     worker = make_worker(tiny_model_dir, tmp_path, **overrides)
     before = weights(worker)
@@ -117,6 +121,45 @@ def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
     assert metrics["actor/skipped_steps"] == 0 and max_diff(weights(worker), before) > 0
     if "actor.tis_cap" in overrides or "actor.icepop_low" in overrides:
         assert "rollout_corr/kl" in metrics
+    if "actor.rollout_rs" in overrides:  # |noise| > ~0.05 fails token_k1: some, not all
+        assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1, metrics
+        assert "rollout_corr/rollout_rs_token_k1_masked_fraction" in metrics
+        assert "rollout_corr/rollout_rs_seq_mean_k3_masked_fraction" in metrics
+
+
+@pytest.mark.parametrize("overrides", [
+    {"actor.policy_loss": "reinforce", "actor.recompute_log_prob": False, "actor.tis_cap": 1.02},
+    {"actor.rollout_rs": "token_k1", "actor.rollout_rs_threshold": "0.95_1.05"},
+], ids=["reinforce-bypass-tis", "rollout-rs"])
+def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides) -> None:
+    """One epoch, one mini-batch: the micro-batch losses the update sums (and its token-mean
+    metrics) are algos' loss over the whole batch at the starting weights, which the correction
+    changes."""
+    worker = make_worker(tiny_model_dir, tmp_path, **overrides)
+    batch = make_batch(seed=5)
+    torch.manual_seed(0)
+    batch.tensors["rollout_log_probs"] = worker.actor.compute_log_prob(batch) + 0.05 * (
+        torch.randn_like(batch["rollout_log_probs"]) * batch["response_mask"])
+    prepared = with_advantages(worker.prepare(batch), worker.cfg)
+    log_prob = worker.actor.compute_log_prob(prepared)
+    loss_cfg = policy_loss_config(worker.cfg.actor)
+    args = (prepared["old_log_probs"], log_prob, prepared["advantages"],
+            prepared["response_mask"])
+    expected, expected_metrics = algos.compute_policy_loss_from_config(
+        loss_cfg, *args, rollout_log_prob=prepared["rollout_log_probs"])
+    uncorrected, _ = algos.compute_policy_loss_from_config(
+        algos.PolicyLossConfig(loss_mode=loss_cfg.loss_mode, bypass=loss_cfg.bypass), *args,
+        rollout_log_prob=prepared["rollout_log_probs"])
+    assert abs(float(expected - uncorrected)) > 1e-4  # the correction matters here
+    metrics = worker.update(prepared)
+    assert metrics["actor/skipped_steps"] == 0 and metrics["actor/grad_norm"] > 0
+    assert metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+    token_means = ["actor/ppo_kl", "rollout_corr/kl"] + (
+        ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_ratio_fraction_high"]
+        if "actor.tis_cap" in overrides else ["rollout_corr/rollout_rs_masked_fraction"])
+    for key in token_means:
+        assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
+    assert 0 < metrics[token_means[-1]] < 1  # the cap / the rejection binds on some tokens
 
 
 def test_kl_loss_against_frozen_reference(tiny_model_dir, tmp_path) -> None:
