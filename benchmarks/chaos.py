@@ -35,8 +35,11 @@ line; Redis: the first step logged after it is back; the note says how many step
 trained meanwhile) or to the driver's exit; groups from the run's Redis
 counters (``streamrl:<run>:stats``): produced, consumed, trained (last step x
 ``task.train_batch_size``), queued, dropped as too stale, lost = produced - consumed - queued -
-dropped; duplicated: trained group ids are not logged (metrics hold counts only), so it is
-consumed - trained, less one batch a stopped run may have taken for the step it did not finish;
+dropped; duplicated: group ids trained more than once, by id: every checkpoint
+(``trainer.save_freq=5``, all kept) records the ids it trained since the previous one, so the
+ids of a run and of its resume are counted together (a step trained after the last checkpoint
+of a killed run is not in the model the resume starts from: its groups are re-delivered and
+count once);
 whether the staleness bound held (the largest ``staleness/max`` logged <= buffer.max_staleness);
 and how many processes of the run were still alive ``ORPHAN_GRACE_S`` after its driver exited
 (every descendant is recorded while it runs). Runs are long enough (``--steps``) to outlast a
@@ -65,6 +68,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +159,7 @@ class TrainRun:
     """One ``streamrl train`` subprocess; every process it starts is recorded while it runs."""
 
     def __init__(self, args: list[str], log: Path, out: Path) -> None:
-        self.log, self.metrics = log, out / "metrics.jsonl"
+        self.log, self.out, self.metrics = log, out, out / "metrics.jsonl"
         with log.open("ab") as sink:
             self.proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -178,6 +182,13 @@ class TrainRun:
             return []
         lines = self.metrics.read_text().split("\n")[:-1]  # the last piece may be half-written
         return [json.loads(line) for line in lines if line.strip()]
+
+    def trained_ids(self) -> Counter[str]:
+        """How often each group id was trained, from every checkpoint's ``trained_group_ids``."""
+        counts: Counter[str] = Counter()
+        for extra in sorted(self.out.glob("global_step_*/extra.json")):
+            counts.update(json.loads(extra.read_text()).get("trained_group_ids", []))
+        return counts
 
     def text(self, offset: int = 0) -> str:
         with self.log.open("rb") as f:
@@ -296,6 +307,7 @@ class Result:
     finished: bool  # the run (or its resume) reached trainer.total_steps
     left: list[str]  # processes of the run alive ORPHAN_GRACE_S after it exited
     note: str
+    trained_ids: Counter[str] = field(default_factory=Counter)
     accepted: tuple[str, ...] = ("recovered", "stopped with a clear error")
     also: bool = True  # the scenario's own condition: the resume finished, nothing left
 
@@ -316,9 +328,7 @@ class Result:
 
     @property
     def duplicated(self) -> int:
-        taken_untrained = int(self.stats.get("consumed", 0)) - self.trained
-        allowance = 0 if self.finished else int(self.stats.get("groups_per_step", 0))
-        return max(0, taken_untrained - allowance)
+        return sum(n - 1 for n in self.trained_ids.values())
 
     @property
     def staleness_max(self) -> float:
@@ -352,7 +362,8 @@ class Context:
         run = run or f"chaos-{name}-{uuid.uuid4().hex[:8]}"
         args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={self.model}",
                 f"trainer.total_steps={self.steps}", "trainer.logger=[jsonl]",
-                f"trainer.output_dir={out}", "trainer.save_freq=5", "runtime.num_cpus=2",
+                f"trainer.output_dir={out}", "trainer.save_freq=5", "trainer.max_to_keep=0",
+                "runtime.num_cpus=2",
                 "rollout.num_replicas=2", "runtime.cpus_per_replica=0.5",
                 "runtime.heartbeat_s=1", "buffer=redis", f"buffer.redis_url={self.redis.url}",
                 f"buffer.run={run}", *self.overrides, *extra]
@@ -377,7 +388,8 @@ def recover_or_stop(ctx: Context, name: str, run: TrainRun, buffer_run: str, fau
         seconds = (run.exited or time.monotonic()) - fault.at
         note += f"; exit {code}: {last_driver_line(run, fault)}"
     return Result(name, outcome, seconds, ctx.redis.stats(buffer_run), run.rows(),
-                  finished=code == 0, left=run.finish(), note=note)
+                  finished=code == 0, left=run.finish(), note=note,
+                  trained_ids=run.trained_ids())
 
 
 def kill_first(run: TrainRun, title: str) -> tuple[psutil.Process, Fault]:
@@ -431,7 +443,8 @@ def learner_kill(ctx: Context) -> Result:
              + (f"finished in {resumed.exited - resumed.launched:.0f} s"
                 if code == 0 and resumed.exited else f"exit {code}"))
     return Result(name, outcome, seconds, ctx.redis.stats(buffer_run), resumed.rows(),
-                  finished=code == 0, left=left + resumed.finish(), note=note, also=code == 0)
+                  finished=code == 0, left=left + resumed.finish(), note=note, also=code == 0,
+                  trained_ids=resumed.trained_ids())
 
 
 def redis_restart(ctx: Context) -> Result:
@@ -485,6 +498,7 @@ def driver_sigterm(ctx: Context) -> Result:
     # Asked to stop, any exit is the expected one; the goal is its time and what it leaves.
     return Result(name, outcome, seconds, ctx.redis.stats(buffer_run), run.rows(),
                   finished=False, left=left, note=f"exit {code}: {last_driver_line(run, fault)}",
+                  trained_ids=run.trained_ids(),
                   accepted=(outcome,) if code is not None else (), also=not left)
 
 
