@@ -28,6 +28,7 @@ fresh slot, so a late put from a replica declared dead keeps the accounting exac
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -85,6 +86,11 @@ class ReplayBuffer(abc.ABC):
     @abc.abstractmethod
     def try_admit(self, holder: str = "") -> bool:
         """Atomically claim the right to start one group; False when the bound is reached."""
+
+    async def atry_admit(self, holder: str = "") -> bool:
+        """``try_admit`` from an event loop that must not block (``streamrl serve`` admits every
+        new episode): a thread by default; backends with an async client await it instead."""
+        return await asyncio.to_thread(self.try_admit, holder)
 
     @abc.abstractmethod
     def cancel_admission(self, holder: str = "") -> None:
@@ -155,6 +161,9 @@ class HeldBuffer(ReplayBuffer):
 
     def try_admit(self, holder: str = "") -> bool:
         return self.buffer.try_admit(holder or self.holder)
+
+    async def atry_admit(self, holder: str = "") -> bool:
+        return await self.buffer.atry_admit(holder or self.holder)
 
     def cancel_admission(self, holder: str = "") -> None:
         self.buffer.cancel_admission(holder or self.holder)

@@ -47,6 +47,10 @@ class RemoteBuffer(ReplayBuffer):
     def try_admit(self, holder: str = "") -> bool:
         return bool(ray.get(self.handle.try_admit.remote(holder)))
 
+    async def atry_admit(self, holder: str = "") -> bool:
+        # Awaited on the caller's loop: no thread per call (the default pool has cpu+4).
+        return bool(await self.handle.try_admit.remote(holder))
+
     def cancel_admission(self, holder: str = "") -> None:
         ray.get(self.handle.cancel_admission.remote(holder))
 

@@ -125,12 +125,11 @@ class Service:
 
     async def _begin(self, episode_id: str, group_id: str | None,
                      begin: Callable[[bool], Call]) -> Call:
-        """Plan a recorded call. The admission slot a new episode needs is taken first, off
-        the event loop (the buffer call is a blocking round trip that would stall every call
-        in flight; refused: AtCapacity), and given back if the call is refused before its
-        episode opens."""
+        """Plan a recorded call. The admission slot a new episode needs is taken first, without
+        blocking the event loop (``atry_admit``: the buffer call is a round trip; refused:
+        AtCapacity), and given back if the call is refused before its episode opens."""
         slot = self.store.wants_slot(episode_id, group_id)
-        if slot and not await asyncio.to_thread(self.store.buffer.try_admit):
+        if slot and not await self.store.buffer.atry_admit():
             self.store.counters.admission_refused += 1
             raise AtCapacity(episode_id)
         try:

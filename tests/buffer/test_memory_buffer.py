@@ -103,3 +103,18 @@ def test_rebase_requeues_unacked_and_skips_trained() -> None:
     assert [g.group_id for g in buf.take(3, 0)] == ["g1", "g2", "g3"]
     buf.put(make_group(0, "g0"))  # a replica retrying a trained group: ignored
     assert buf.stats().queued == 0
+
+
+def test_async_admission_keeps_the_bound_and_the_holder() -> None:
+    from streamrl.buffer.base import HeldBuffer
+
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=0)  # two slots at version 0
+    held = HeldBuffer(buf, "replica-0.0")
+
+    async def admit(n: int) -> list[bool]:
+        return list(await asyncio.gather(*(held.atry_admit() for _ in range(n))))
+
+    assert sorted(asyncio.run(admit(3))) == [False, True, True]
+    assert buf.stats().started == 2
+    assert buf.release("replica-0.0") == 2  # counted under the holder, like try_admit
+    assert buf.stats().started == 0
