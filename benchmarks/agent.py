@@ -38,6 +38,7 @@ for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"),
 import asyncio  # noqa: E402 - the environment above must be set before torch / vLLM load
 
 from streamrl.rollout_fleet.agent import Environment, StepResult  # noqa: E402
+from streamrl.testing import result_line  # noqa: E402
 
 GOAL = 0.7
 PHASES = ("render_s", "parse_s", "tool_s", "env_s")
@@ -164,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({1e3 * agent[phase] / max(agent['episodes'], 1):.2f} ms per episode)")
     print(f"  engine (re-prefill per turn, smaller batches between turns): "
           f"~{max(lost - loop_s, 0.0):.2f} s")
-    print(f"RESULT agent_vs_single_turn value={ratio:.2f} goal=>={GOAL} "
-          f"met={'yes' if ratio >= GOAL else 'no'}")
+    print(result_line("agent_vs_single_turn", ratio, ">=", GOAL))
     return 0
 
 

@@ -25,7 +25,7 @@ import redis
 
 from streamrl import testing
 from streamrl.buffer.redis import CONSUMER_GROUP, RedisBuffer
-from streamrl.testing import make_trajectory
+from streamrl.testing import make_trajectory, result_line
 from streamrl.types import Group, decode, encode
 
 
@@ -142,8 +142,7 @@ def main() -> None:
     for base, ratio in ratios.items():
         print(f"ratio RedisBuffer / {base} put+take throughput: {ratio:.2f}")
     ratio = ratios["raw pipelined"]  # the goal of the performance issue (16)
-    print(f"RESULT redis_buffer_vs_raw_pipelined value={ratio:.2f} goal=>=0.5 "
-          f"met={'yes' if ratio >= 0.5 else 'no'}")
+    print(result_line("redis_buffer_vs_raw_pipelined", ratio, ">=", 0.5))
 
 
 if __name__ == "__main__":

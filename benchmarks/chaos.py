@@ -85,6 +85,7 @@ import redis
 from streamrl.buffer.redis import RunKeys
 from streamrl.models import resolve_model_path
 from streamrl.net import free_port
+from streamrl.testing import result_line
 
 HOST = "127.0.0.1"
 GOAL_S = 60.0
@@ -582,10 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     for r in results:
         value = args.timeout if r.seconds is None else r.seconds
-        print(f"RESULT chaos_{r.scenario} value={value:.1f} goal=<={GOAL_S:g} "
-              f"met={'yes' if r.met else 'no'}")
-    orphans = sum(r.orphans for r in results)
-    print(f"RESULT chaos_no_orphans value={orphans} goal=<=0 met={'yes' if orphans == 0 else 'no'}")
+        print(result_line(f"chaos_{r.scenario}", value, "<=", GOAL_S, met=r.met, digits=1))
+    print(result_line("chaos_no_orphans", sum(r.orphans for r in results), "<=", 0, digits=0))
     return 0
 
 

@@ -31,7 +31,7 @@ from streamrl.config import Config, replace, validate
 from streamrl.learner.fsdp import load_causal_lm
 from streamrl.learner.worker import LearnerWorker
 from streamrl.net import free_port
-from streamrl.testing import build_tiny_model
+from streamrl.testing import build_tiny_model, result_line
 from streamrl.types import Group, Trajectory
 
 GROUPS, N = 8, 4
@@ -144,6 +144,8 @@ def main() -> None:
     print(f"[2] dynamic+packed {real_tokens / t_update:8.0f} tok/s | padded fixed micro "
           f"(2 groups) {real_tokens / t_padded:8.0f} tok/s | speed-up = "
           f"{t_padded / t_update:.2f}x (goal >= 1.5x)", flush=True)
+    print(result_line("learner_update_vs_bare_time", t_update / t_bare, "<=", 1.15, digits=3))
+    print(result_line("learner_dynamic_vs_padded", t_padded / t_update, ">=", 1.5))
     sys.exit(0)
 
 

@@ -24,6 +24,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from streamrl.config import MODES, load_config
 from streamrl.controller import run_training
+from streamrl.testing import result_line
+
+GOALS = {"one_step_off": 1.4, "fully_async": 1.8}
 
 
 def measure(mode: str, steps: int, warmup: int, overrides: list[str]) -> dict[str, float]:
@@ -57,6 +60,8 @@ def main() -> None:
     for mode, r in results.items():
         print(f"{mode:<14}{r['traj_per_s']:>9.1f}{r['traj_per_s'] / base:>8.2f}x"
               f"{r['take_s']:>13.3f}{r['update_s']:>15.3f}")
+    for mode, goal in GOALS.items():
+        print(result_line(f"{mode}_vs_sync", results[mode]["traj_per_s"] / base, ">=", goal))
 
 
 if __name__ == "__main__":

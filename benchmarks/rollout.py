@@ -29,6 +29,9 @@ for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"),
 
 import asyncio  # noqa: E402 - the environment above must be set before torch / vLLM load
 
+from streamrl.testing import result_line  # noqa: E402
+
+GOAL = 1.0  # the engine we ship must at least match the plain HF generate loop
 FIRST_ORDINARY_TOKEN = 3  # the tiny tokenizer's ids 0-2 are special tokens
 
 
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in results and "hf" in results:
         ratio = results["vllm"]["tokens_per_s"] / results["hf"]["tokens_per_s"]
         print(f"vllm / hf throughput: {ratio:.1f}x")
+        print(result_line("vllm_vs_hf_rollout", ratio, ">=", GOAL))
     return 0
 
 

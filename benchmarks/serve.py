@@ -46,6 +46,7 @@ from streamrl.config import RolloutConfig
 from streamrl.models import resolve_model_path
 from streamrl.net import free_port
 from streamrl.runtime.placement import WORKER_ENV
+from streamrl.testing import result_line
 
 GOAL = 0.85
 CONCURRENCY = (8, 32)
@@ -226,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
               f"added per call: p50 {1e3 * (ours.percentile(50) - theirs.percentile(50)):+.1f} "
               f"ms, p99 {1e3 * (ours.percentile(99) - theirs.percentile(99)):+.1f} ms")
     for clients, ratio in ratios.items():
-        print(f"RESULT serve_vs_vllm_c{clients} value={ratio:.2f} goal=>={GOAL} "
-              f"met={'yes' if ratio >= GOAL else 'no'}")
+        print(result_line(f"serve_vs_vllm_c{clients}", ratio, ">=", GOAL))
     return 0
 
 

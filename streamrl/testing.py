@@ -7,8 +7,9 @@ generated text (digits always stay single tokens, which the toy tasks rely on), 
 transformers and in vLLM. Also exposed as ``streamrl data tiny-model --out DIR``.
 
 Also what tests and benchmarks share: the one Group/Trajectory factory (``make_trajectory``,
-``make_group`` with chosen versions, ``random_groups`` with ragged random tokens) and
-``redis_server`` (a real redis-server on a free loopback port).
+``make_group`` with chosen versions, ``random_groups`` with ragged random tokens),
+``redis_server`` (a real redis-server on a free loopback port) and ``result_line`` (the
+``RESULT`` line every benchmark ends with).
 """
 
 from __future__ import annotations
@@ -260,3 +261,14 @@ def redis_server(workdir: str | os.PathLike[str]) -> Iterator[str]:
     finally:
         with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
             client.shutdown(nosave=True)
+
+
+def result_line(name: str, value: float, op: str, goal: float, met: bool | None = None,
+                digits: int = 2) -> str:
+    """A benchmark's goal line: ``RESULT <name> value=<x> goal=<op><y> met=yes|no``; ``met``
+    defaults to comparing ``value`` with ``goal`` (op ``>=`` or ``<=``)."""
+    if op not in (">=", "<="):
+        raise ValueError(f"result_line: op={op!r}: must be '>=' or '<='")
+    if met is None:
+        met = value >= goal if op == ">=" else value <= goal
+    return f"RESULT {name} value={value:.{digits}f} goal={op}{goal:g} met={'yes' if met else 'no'}"
