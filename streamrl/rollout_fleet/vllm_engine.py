@@ -104,10 +104,37 @@ def load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -
     runner = worker.model_runner
     if current_platform.is_cpu():
         # CPU linears keep pre-packed copies: only a reload re-runs that processing.
+        _quiet_expected_reload_warnings(_tied(runner.model))
         runner.reload_weights(weights_iterator=iter(weights))
         _retie_lm_head(runner.model)
     else:
         runner.model.load_weights(weights=iter(weights))
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's layer-wise reload warns "<Layer>: Failed to load weights" for every layer that
+    received no tensor: on every update, RotaryEmbedding (its cos/sin cache is a buffer no
+    checkpoint carries) and, in a tied model, the lm_head (checkpoints carry only embed_tokens;
+    ``_retie_lm_head`` re-ties it right after). Any other layer still warns."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.expected = {"RotaryEmbedding: Failed to load weights"}
+        if tied:
+            self.expected.add("ParallelLMHead: Failed to load weights")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.expected
+
+
+def _quiet_expected_reload_warnings(tied: bool) -> None:
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in reload_log.filters):
+        reload_log.addFilter(_ExpectedReloadWarnings(tied))
+
+
+def _tied(model: Any) -> bool:
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
 def _retie_lm_head(model: Any) -> None:
@@ -117,10 +144,9 @@ def _retie_lm_head(model: Any) -> None:
     that layer but leaves the lm_head module with the old tensor and its old pre-packed GEMM
     copy, so logits would come from stale weights (measured: 0.3 nats off after one update).
     """
-    config = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not config or lm_head is None or embed is None or lm_head is embed:
+    if not _tied(model) or lm_head is None or embed is None or lm_head is embed:
         return
     lm_head.weight = embed.weight
     lm_head.quant_method.process_weights_after_loading(lm_head)

@@ -237,3 +237,21 @@ def test_weight_payload_round_trips_bit_exactly(dtype):
         assert isinstance(raw, bytes)  # msgpack-encodable: no tensors, no pickle
         rebuilt = _tensor(raw, dt, shape)
         assert rebuilt.dtype == dtype and torch.equal(rebuilt, original), name
+
+
+def test_only_the_expected_reload_warnings_are_silenced():
+    """Two warnings per update that every reload here prints (a rotary cache no checkpoint
+    carries; a tied lm_head re-tied right after) are dropped; any other layer's still shows."""
+    import logging
+
+    from streamrl.rollout_fleet.vllm_engine import _ExpectedReloadWarnings
+
+    def passes(flt: logging.Filter, layer: str) -> bool:
+        record = logging.LogRecord("vllm", logging.WARNING, __file__, 1,
+                                   "%s: Failed to load weights", (layer,), None)
+        return flt.filter(record)
+
+    tied, untied = _ExpectedReloadWarnings(tied=True), _ExpectedReloadWarnings(tied=False)
+    assert not passes(tied, "RotaryEmbedding") and not passes(untied, "RotaryEmbedding")
+    assert not passes(tied, "ParallelLMHead") and passes(untied, "ParallelLMHead")
+    assert passes(tied, "QKVParallelLinear") and passes(untied, "VocabParallelEmbedding")
