@@ -20,6 +20,7 @@ built-in agent environments, the toy tasks) and the override translation of ``co
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl: ``reward_model.overlong_buffer``). With L =
+    rollout.max_new_tokens (rollout.max_episode_tokens for agent episodes, observation tokens
+    included), a response of l tokens gets ``min(0, -(l - (L - len)) / len * penalty_factor)``
+    added to its reward: 0 up to L - len tokens, then falling linearly to -penalty_factor at L.
+    Applied before dynamic sampling sees the rewards; validation rewards stay unshaped."""
+
+    enable: bool = False
+    len: int = 0
+    """Tokens of the penalty zone before the budget ends (0 < len <= L)."""
+    penalty_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     backend: str = "vllm"
     """vllm | hf | sglang"""
@@ -97,6 +112,15 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     tools: tuple[str, ...] = ()
     """Extra tools for the agent environment, as ``module:function`` names."""
+    filter_groups: bool = False
+    """DAPO dynamic sampling (verl: algorithm.filter_groups.enable): a group whose rewards are
+    all equal (advantage 0 for every member) is dropped before it takes a batch slot; its
+    admission is given back and the replica samples another group in its place."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False
+    """DAPO overlong filtering: a response cut at the token budget (finish_reason "length")
+    gets loss_mask 0, so it is not trained on; its reward still counts in its group's
+    baseline."""
 
 
 @dataclass(frozen=True)
@@ -502,6 +526,7 @@ def validate(cfg: Config) -> Config:
         _fail("actor.policy_loss", cfg.actor.policy_loss,
               "already weights by proximal/behaviour: unset actor.tis_cap and actor.icepop_*")
     _check_mode(cfg)
+    _check_dapo(cfg)
     if cfg.weight_bus.backend == "colocated":
         # ColocatedPublisher hands weights to an engine in the learner's own process; the
         # runtime places learner ranks and engines in separate Ray actors, so only the
@@ -544,6 +569,26 @@ def _check_mode(cfg: Config) -> None:
               f"must be <= buffer.max_staleness + 1 = {eta + 1} with trainer.mode={mode!r}: "
               f"replicas would sample with weights up to {cfg.weight_bus.sync_every - 1} "
               f"versions old, past the staleness bound {eta}, so no group could ever be taken")
+
+
+def _check_dapo(cfg: Config) -> None:
+    """Dynamic sampling needs groups that can differ; the overlong zone must fit the budget
+    the penalty counts against (max_episode_tokens for agent episodes)."""
+    r = cfg.rollout
+    if r.filter_groups and r.n < 2:
+        _fail("rollout.n", r.n, "must be >= 2 with rollout.filter_groups=true (a group of one "
+              "always has equal rewards, so every group would be filtered)")
+    ob = r.overlong_buffer
+    if not ob.enable:
+        return
+    budget_key = "rollout.max_episode_tokens" if r.agent else "rollout.max_new_tokens"
+    budget = _lookup(cfg, budget_key)
+    if not 0 < ob.len <= budget:
+        _fail("rollout.overlong_buffer.len", ob.len,
+              f"must be in (0, {budget_key}={budget}] with rollout.overlong_buffer.enable=true")
+    if not (ob.penalty_factor >= 0 and math.isfinite(ob.penalty_factor)):
+        _fail("rollout.overlong_buffer.penalty_factor", ob.penalty_factor,
+              "must be a finite number >= 0")
 
 
 def with_mode(cfg: Config, mode: str, max_staleness: int | None = None) -> Config:

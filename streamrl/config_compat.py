@@ -68,6 +68,11 @@ VERL_ALIASES: dict[str, str] = {
     "algorithm.rollout_correction.rollout_rs_threshold": "actor.rollout_rs_threshold",
     "algorithm.rollout_correction.bypass_mode": "actor.recompute_log_prob",
     "algorithm.rollout_correction.loss_type": "actor.policy_loss",
+    # DAPO (verl's recipe keys)
+    "algorithm.filter_groups.enable": "rollout.filter_groups",
+    "reward_model.overlong_buffer.enable": "rollout.overlong_buffer.enable",
+    "reward_model.overlong_buffer.len": "rollout.overlong_buffer.len",
+    "reward_model.overlong_buffer.penalty_factor": "rollout.overlong_buffer.penalty_factor",
     "data.train_batch_size": "task.train_batch_size",
     "data.max_prompt_length": "task.max_prompt_length",
     "data.max_response_length": "rollout.max_new_tokens",

@@ -168,6 +168,12 @@ class Controller:
                  f"held; {self.rt.fleet.status()}")
         if not self.rt.fleet.members:
             return f"{facts}; no replica of this run produces (streamrl serve clients idle?)"
+        filtered = (self.rt.fleet.metrics().get("replica/groups_filtered", 0.0)
+                    if self.cfg.rollout.filter_groups else 0.0)
+        if filtered:
+            return (f"{facts}; {filtered:.0f} groups filtered for equal rewards "
+                    "(rollout.filter_groups=true): if most are, the reward does not separate "
+                    "the samples (task too easy or too hard for the model, or a constant reward)")
         if s.in_flight:
             return f"{facts}; replicas hold admissions but put nothing (slow or stuck engines)"
         return f"{facts}; replicas start no groups (check the replica log for errors)"

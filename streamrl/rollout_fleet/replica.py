@@ -10,6 +10,18 @@ The loop, on one asyncio event loop::
         start a group task: sample n -> decode -> score -> Trajectories -> buffer.put(Group)
                    or, with rollout.agent: run n episodes (agent/loop.py) -> buffer.put(Group)
 
+DAPO shaping, all off by default (``algorithm=dapo`` turns on the first two):
+
+- overlong punishment (``rollout.overlong_buffer``): each trajectory's reward gets
+  ``overlong_penalty(length, budget, ...)`` added as it is scored;
+- dynamic sampling (``rollout.filter_groups``): a group whose rewards are all equal (advantage 0
+  for every member) is not put; its admission is given back like a failed group's and counted
+  (``groups_filtered``), and the loop, finding the slot free, admits another group in its place:
+  the replicas oversample until the learner has ``train_batch_size`` informative groups, and
+  ``started == consumed + queued + in_flight`` stays exact;
+- overlong filtering (``rollout.overlong_filter``): a response cut at the budget
+  (finish_reason ``length``) gets loss_mask 0; it stays in its group for the baseline.
+
 Agent groups: each of the n samples is one multi-turn episode; the environment scores it (the
 scorer is not used). Every turn's request goes through the same request machinery as a
 single-turn group (``_sample_with_retries``: retries, the abort gate, resumption), so an episode
@@ -63,6 +75,18 @@ from streamrl.types import Group, Trajectory, new_uid
 logger = logging.getLogger(__name__)
 
 
+EQUAL_REWARDS_TOL = 1e-6
+"""Dynamic sampling treats a group whose rewards spread no more than this as all equal."""
+FILTERED_STREAK_WARNING = 100
+"""A replica logs a warning after each run of this many consecutive filtered groups."""
+
+
+def overlong_penalty(length: int, budget: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to ``budget - buffer_len`` tokens, then falling
+    linearly to ``-factor`` at ``budget`` tokens (rollout.overlong_buffer)."""
+    return min(0.0, -(length - (budget - buffer_len)) / buffer_len * factor)
+
+
 class PromptLike(Protocol):
     index: int
     prompt_ids: list[int]
@@ -112,8 +136,12 @@ class ReplicaCounters:
     groups_failed: int = 0
     """Groups given up on (retries exhausted or building failed); admission given back."""
     groups_cancelled: int = 0
+    groups_filtered: int = 0
+    """Groups dropped by dynamic sampling (equal rewards); admission given back."""
     reward_failures: int = 0
     reward_sum: float = 0.0
+    overlong_filtered: int = 0
+    """Responses cut at the token budget and masked out (rollout.overlong_filter)."""
     resumed_requests: int = 0
     """Partial responses resubmitted after an abort-policy weight update."""
     admission_refused: int = 0
@@ -170,6 +198,7 @@ class Replica:
         self._cancelling = False
         self._started_at = time.monotonic()
         self._progressed_at = time.monotonic()
+        self._filtered_streak = 0  # consecutive groups dynamic sampling dropped
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -252,6 +281,20 @@ class Replica:
         self._groups.discard(task)
         self._changed.set()
 
+    def _filtered(self, rewards: list[float]) -> bool:
+        """Dynamic sampling: drop a group whose rewards are all equal (counted, logged when a
+        long run of groups is dropped, so a task nothing ever solves is not a silent wait)."""
+        if not self.rollout.filter_groups or max(rewards) - min(rewards) > EQUAL_REWARDS_TOL:
+            self._filtered_streak = 0
+            return False
+        self.counters.groups_filtered += 1
+        self._filtered_streak += 1
+        if self._filtered_streak % FILTERED_STREAK_WARNING == 0:
+            logger.warning("%s: the last %d groups all had equal rewards (%s) and were filtered "
+                           "(rollout.filter_groups=true): is the task too easy or too hard?",
+                           self.name, self._filtered_streak, rewards[0])
+        return True
+
     def _give_back(self) -> None:
         try:
             self.buffer.cancel_admission()
@@ -269,6 +312,9 @@ class Replica:
                 trajectories = await self._episodes(prompt, group_id)
             group = Group(group_id=group_id, trajectories=list(trajectories),
                           prompt_index=prompt.index, created_ts=time.time())
+            if self._filtered(group.rewards):
+                self._give_back()  # the loop admits another group in its place
+                return
             self.buffer.put(group)
         except _Cancelled:  # stop(cancel=True) aborted its requests
             self.counters.groups_cancelled += 1
@@ -440,14 +486,32 @@ class Replica:
         if not math.isfinite(reward):
             self.counters.reward_failures += 1
             reward = 0.0
+        metrics = {"gen_s": gen_s, "score_s": time.perf_counter() - start}
+        reward += self._overlong(len(c.token_ids), self.rollout.max_new_tokens, metrics)
         return Trajectory(
             uid=new_uid(), group_id=group_id, prompt_ids=list(prompt.prompt_ids),
-            response_ids=list(c.token_ids), loss_mask=[1] * len(c.token_ids),
+            response_ids=list(c.token_ids), loss_mask=self._mask([1] * len(c.token_ids),
+                                                                 c.finish_reason),
             logprobs=list(c.logprobs), versions=list(c.versions), reward=reward,
             finish_reason=c.finish_reason, data_source=prompt.data_source,
-            ground_truth=prompt.ground_truth, extra=dict(prompt.extra),
-            metrics={"gen_s": gen_s, "score_s": time.perf_counter() - start},
+            ground_truth=prompt.ground_truth, extra=dict(prompt.extra), metrics=metrics,
         )
+
+    def _overlong(self, length: int, budget: int, metrics: dict[str, float]) -> float:
+        """The soft overlong punishment of a ``length``-token response (0 when it is off)."""
+        cfg = self.rollout.overlong_buffer
+        if not cfg.enable:
+            return 0.0
+        metrics["overlong_penalty"] = overlong_penalty(length, budget, cfg.len,
+                                                       cfg.penalty_factor)
+        return metrics["overlong_penalty"]
+
+    def _mask(self, loss_mask: list[int], finish_reason: str) -> list[int]:
+        """Overlong filtering: a response cut at the token budget is not trained on."""
+        if self.rollout.overlong_filter and finish_reason == "length":
+            self.counters.overlong_filtered += 1
+            return [0] * len(loss_mask)
+        return loss_mask
 
     def _episode_trajectory(self, prompt: PromptLike, group_id: str, e: Episode) -> Trajectory:
         c = self.counters
@@ -462,13 +526,15 @@ class Replica:
             logger.warning("%s: environment reward %s for %s is not finite; scored 0",
                            self.name, reward, prompt.data_source)
             reward = 0.0
+        metrics = dict(e.seconds)
+        reward += self._overlong(len(e.response_ids), self.rollout.max_episode_tokens, metrics)
         return Trajectory(
             uid=new_uid(), group_id=group_id, prompt_ids=e.prompt_ids,
-            response_ids=e.response_ids, loss_mask=e.loss_mask, logprobs=e.logprobs,
-            versions=e.versions, reward=reward, finish_reason=e.finish_reason,
-            data_source=prompt.data_source, ground_truth=prompt.ground_truth,
-            extra={**prompt.extra, "episode": e.summary(), "env": e.info},
-            metrics=dict(e.seconds),
+            response_ids=e.response_ids, loss_mask=self._mask(e.loss_mask, e.finish_reason),
+            logprobs=e.logprobs, versions=e.versions, reward=reward,
+            finish_reason=e.finish_reason, data_source=prompt.data_source,
+            ground_truth=prompt.ground_truth,
+            extra={**prompt.extra, "episode": e.summary(), "env": e.info}, metrics=metrics,
         )
 
     # -- weight updates -----------------------------------------------------------------------
@@ -541,8 +607,10 @@ class Replica:
             "request_failures": float(c.request_failures),
             "groups_failed": float(c.groups_failed),
             "groups_cancelled": float(c.groups_cancelled),
+            "groups_filtered": float(c.groups_filtered),
             "reward_failures": float(c.reward_failures),
             "reward_mean": c.reward_sum / c.trajectories if c.trajectories else 0.0,
+            "overlong_filtered": float(c.overlong_filtered),
             "resumed_requests": float(c.resumed_requests),
             "admission_refused": float(c.admission_refused),
             "loop_errors": float(c.loop_errors),

@@ -1,4 +1,7 @@
-"""Rollout-fleet test support: a list-backed buffer, the toy scorer, and a bounded wait."""
+"""Rollout-fleet test support: a list-backed buffer, the toy scorer, a bounded wait, and a
+scripted engine / prompt / scorer trio that runs a Replica without a model (test doubles of the
+engine seam, for replica logic whose outcome must be chosen exactly: rewards, lengths, finish
+reasons)."""
 
 from __future__ import annotations
 
@@ -6,8 +9,12 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from streamrl.buffer.base import BufferStats, ReplayBuffer
+from streamrl.data import ListPromptSource, Prompt, PromptStream
 from streamrl.data.toy import toy_reward
+from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 from streamrl.types import Group
 
 
@@ -79,3 +86,67 @@ async def wait_until(predicate, timeout: float = 120.0, what: str = "condition")
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+# -- a Replica without a model ----------------------------------------------------------------
+
+
+class IdTokenizer:
+    """Decodes token ids as their numbers, space-separated (all a Replica asks of a tokenizer
+    in single-turn groups)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class ScriptedEngine(RolloutEngine):
+    """Answers sample j of prompt ``[i]`` with ``length`` copies of token j and ``finish``,
+    where ``shapes[i][j] == (length, finish)`` (default: 4 tokens, "stop"); every token has
+    log-prob -0.5 and the version last loaded (``load_weights`` only adopts the version).
+    ``answered`` lists the prompt indices in the order answered."""
+
+    def __init__(self, shapes: dict[int, list[tuple[int, str]]] | None = None) -> None:
+        self.shapes = shapes or {}
+        self.answered: list[int] = []
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str
+                       ) -> list[Completion]:
+        await asyncio.sleep(0)  # let other groups and the learner run in between
+        index = prompt_ids[0]
+        shapes = self.shapes.get(index, [(4, "stop")] * params.n)
+        assert len(shapes) == params.n, (index, shapes, params.n)
+        self.answered.append(index)
+        return [Completion([j] * n, [-0.5] * n, [self._version] * n, finish)
+                for j, (n, finish) in enumerate(shapes)]
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int
+                           ) -> None:
+        self._version = version
+
+
+def scripted_prompts(rewards: list[list[float]]) -> PromptStream:
+    """Prompt i is ``[i]``; its sample j scores ``rewards[i][j]`` under ``ListedRewards``.
+    The stream cycles through the prompts in order, as an epoch stream does."""
+    prompts = [Prompt(index=i, prompt_ids=[i], data_source="scripted", ground_truth=None,
+                      extra={"rewards": list(r)}) for i, r in enumerate(rewards)]
+    return PromptStream(ListPromptSource(prompts, name="scripted"), shuffle=False, seed=0)
+
+
+class ListedRewards:
+    """Scores a ScriptedEngine response: sample j (its first token) of a ``scripted_prompts``
+    prompt gets that prompt's ``rewards[j]``."""
+
+    async def score(self, data_source: str, solution_str: str, ground_truth: str | None,
+                    extra_info: dict[str, Any]) -> float:
+        return float(extra_info["rewards"][int(solution_str.split()[0])])
