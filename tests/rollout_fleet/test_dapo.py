@@ -83,18 +83,25 @@ PATTERNS = [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0],
             [0.5, 0.5, 0.5, 0.5], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]
 
 
+def _train_steps(buffer: MemoryBuffer, replica: Replica, steps: int) -> list[list[Group]]:
+    """Run ``replica`` while ``_serve_learner`` takes ``steps`` batches; returns the batches."""
+
+    async def scenario() -> list[list[Group]]:
+        replica.start()
+        try:
+            return await _serve_learner(buffer, replica, steps)
+        finally:
+            await replica.stop()
+
+    return asyncio.run(scenario())
+
+
 def test_equal_reward_groups_are_filtered_and_give_admission_back():
     buffer = MemoryBuffer(groups_per_step=2, max_staleness=0)
     engine = ScriptedEngine()
     replica = _replica(engine, buffer, PATTERNS, filter_groups=True, max_inflight_groups=2)
 
-    async def scenario():
-        replica.start()
-        batches = await _serve_learner(buffer, replica, steps=3)
-        await replica.stop()
-        return batches
-
-    batches = asyncio.run(scenario())
+    batches = _train_steps(buffer, replica, steps=3)
     taken = [g for batch in batches for g in batch]
     assert len(taken) == 6
     assert {g.prompt_index for g in taken} == {1, 4}  # only the informative prompts
@@ -111,13 +118,7 @@ def test_without_filter_groups_equal_reward_groups_are_trained_on():
     buffer = MemoryBuffer(groups_per_step=2, max_staleness=0)
     replica = _replica(ScriptedEngine(), buffer, PATTERNS, max_inflight_groups=2)
 
-    async def scenario():
-        replica.start()
-        batches = await _serve_learner(buffer, replica, steps=3)
-        await replica.stop()
-        return batches
-
-    taken = [g for batch in asyncio.run(scenario()) for g in batch]
+    taken = [g for batch in _train_steps(buffer, replica, steps=3) for g in batch]
     assert [g.prompt_index for g in taken] == [0, 1, 2, 3, 4, 5]
     assert replica.metrics()["groups_filtered"] == 0
 
@@ -144,14 +145,7 @@ def test_property_no_equal_reward_group_is_taken_and_admission_stays_exact(
     engine = ScriptedEngine()
     replica = _replica(engine, buffer, patterns, filter_groups=True, max_inflight_groups=inflight)
 
-    async def scenario():
-        replica.start()
-        try:
-            return await _serve_learner(buffer, replica, steps)
-        finally:
-            await replica.stop()
-
-    batches = asyncio.run(scenario())
+    batches = _train_steps(buffer, replica, steps)
     assert [len(batch) for batch in batches] == [b] * steps
     for batch in batches:
         assert not any(_equal(g.rewards) for g in batch), [g.rewards for g in batch]
@@ -186,13 +180,7 @@ def test_agent_groups_with_equal_rewards_are_filtered(tokenizer):
     replica = Replica(ScriptedEngine(), buffer, stream, ListedRewards(), tokenizer, rollout,
                       admit_backoff_s=0.001)
 
-    async def scenario():
-        replica.start()
-        batches = await _serve_learner(buffer, replica, steps=3)
-        await replica.stop()
-        return batches
-
-    taken = [g for batch in asyncio.run(scenario()) for g in batch]
+    taken = [g for batch in _train_steps(buffer, replica, steps=3) for g in batch]
     assert [g.prompt_index for g in taken] == [1, 1, 1]
     m = replica.metrics()
     assert m["groups_filtered"] >= 4 and m["episodes"] == 3 * (m["groups"] + m["groups_filtered"])
