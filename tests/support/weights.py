@@ -38,13 +38,18 @@ def digest(named: Any) -> dict[str, str]:
     return out
 
 
-def receiver_main(endpoint: str, receiver_id: str, timeout_s: float, reports: Any) -> None:
-    """A spawned receiver process: reports (id, pid, version, digest) for each loaded version."""
+def receiver_main(endpoint: str, receiver_id: str, timeout_s: float, reports: Any,
+                  unstuck: Any = None) -> None:
+    """A spawned receiver process: reports (id, pid, version, digest) for each loaded version.
+    With ``unstuck`` (an mp.Event) its loading hangs until the event is set, as an engine that
+    hangs would: heartbeats go on, announcements are not taken."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from streamrl.weight_bus.collective import CollectiveReceiver
 
     def sink(weights: Any, version: int) -> None:
+        if unstuck is not None:
+            unstuck.wait()
         reports.put((receiver_id, os.getpid(), version, digest(weights)))
 
     receiver = CollectiveReceiver(endpoint, sink, receiver_id=receiver_id, timeout_s=timeout_s)

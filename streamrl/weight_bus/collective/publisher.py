@@ -171,10 +171,21 @@ class CollectivePublisher(WeightPublisher):
         return torch.device("cpu")
 
     def _check(self, members: tuple[str, ...], publish_id: str) -> Check:
+        """The poll of every wait of one publish: the dead, receivers that have not taken the
+        announcement ``timeout_s / 2`` after it was sent (alive but silent: named within one
+        ``timeout_s`` however far the publish got, and before the other receivers' own waits
+        on them run out, which would make them look failed), and failures. A slow but
+        progressing broadcast still gets ``timeout_s`` per step."""
+        announced_by = time.monotonic() + self.timeout_s / 2
+
         def check() -> None:
             dead = self.control.dead_among(members)
             if dead:
                 raise _Dead(dead)
+            if time.monotonic() > announced_by and (
+                    silent := self.control.silent_among(publish_id, members)):
+                raise WeightBusTimeout(f"weight bus: receivers {silent} did not take the "
+                                       f"announcement within timeout_s/2={self.timeout_s / 2:g} s")
             failed = self.control.failed_acks(publish_id)
             if failed:
                 raise WeightBusError(f"weight bus: receivers reported failures: {failed}")
@@ -197,7 +208,7 @@ class CollectivePublisher(WeightPublisher):
                          timeout_s=self.timeout_s, nccl_port=nccl_port)
 
     def _open_generation(self, targets: tuple[str, ...], version: int, publish_id: str,
-                         deadline: float, check: Check) -> WeightGroup:
+                         check: Check) -> WeightGroup:
         """Announce ``version`` to ``targets`` on the current generation if they are exactly its
         members, else on a new generation (formed here: blocks until every target joined)."""
         group = self._group
@@ -210,20 +221,19 @@ class CollectivePublisher(WeightPublisher):
                                                 group=msgspec.structs.replace(spec0, rank=rank)))
         if reuse and group is not None:
             return group
-        group = join_group(spec0, self._store, deadline, check)
+        group = join_group(spec0, self._store, time.monotonic() + self.timeout_s, check)
         self._group, self._members = group, targets
         return group
 
     def _send(self, targets: tuple[str, ...], version: int, publish_id: str,
               buckets: Iterator[Bucket], sent: Callable[[Bucket], None]) -> None:
-        """Announce ``version`` to ``targets``, broadcast it, check the manifests they acked; all
-        within one ``timeout_s``, so a receiver that stalls any step is named within it."""
-        deadline = time.monotonic() + self.timeout_s
+        """Announce ``version`` to ``targets``, broadcast it, check the manifests they acked."""
         check = self._check(targets, publish_id)
-        group = self._open_generation(targets, version, publish_id, deadline, check)
+        group = self._open_generation(targets, version, publish_id, check)
         try:
-            specs = send_buckets(group, buckets, deadline=deadline, check=check, sent=sent)
-            acks = self.control.wait_acks(publish_id, targets, ("received",), deadline, check)
+            specs = send_buckets(group, buckets, timeout_s=self.timeout_s, check=check, sent=sent)
+            acks = self.control.wait_acks(publish_id, targets, ("received",),
+                                          time.monotonic() + self.timeout_s, check)
         except Exception:
             group.broken = True
             raise
@@ -248,8 +258,8 @@ class CollectivePublisher(WeightPublisher):
     def _identify_lost(self, members: tuple[str, ...], publish_id: str,
                        failure: Exception) -> tuple[dict[str, str], bool]:
         """Who was lost, and whether they are alive but silent. After a timeout, the members
-        that never took the announcement (no ack at all, heartbeats or not) are the silent ones:
-        named at once, within the one ``timeout_s``. Otherwise wait (at most one liveness
+        that never took the announcement (no ack at all, heartbeats or not) are the silent ones
+        (see ``_check``). Otherwise wait (at most one liveness
         window) for heartbeats to show who died; if nobody did, the receivers that acked
         ``failed`` are the lost ones (one whose engine died stays alive); survivors of a death
         also ack ``failed`` (their generation was aborted), so the dead are looked for first."""
@@ -258,7 +268,7 @@ class CollectivePublisher(WeightPublisher):
         silent = self.control.silent_among(publish_id, members)
         if isinstance(failure, WeightBusTimeout) and silent:
             why = (f"alive (heartbeats) but silent: did not take the announcement within "
-                   f"timeout_s={self.timeout_s:g} s")
+                   f"timeout_s/2={self.timeout_s / 2:g} s")
             return {rid: why for rid in silent}, True
         deadline = time.monotonic() + self.control.dead_after_s + 0.5
         while time.monotonic() <= deadline:

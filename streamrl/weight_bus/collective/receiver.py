@@ -70,6 +70,10 @@ class LocalLanding:
         self._lent = []
         group = self._join(announce.group)
         try:
+            # An announcement taken late (the receiver was busy or silent) may be for a
+            # generation the learner already aborted: posting receives on it would leave them
+            # pending, and gloo aborts the process when their timeout fires.
+            group.check_abort()
             specs, tensors, self._lent = recv_buckets(
                 group, timeout_s=group.spec.timeout_s, check=group.check_abort, pool=self._pool)
         except Exception:

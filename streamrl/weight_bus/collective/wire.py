@@ -29,18 +29,16 @@ from streamrl.weight_bus.groups import Pending, WeightGroup
 Check = Callable[[], None]
 
 
-def send_buckets(group: WeightGroup, buckets: Iterator[Bucket], *, deadline: float,
+def send_buckets(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: float,
                  check: Check, sent: Callable[[Bucket], None]) -> list[BucketSpec]:
-    """Broadcast every bucket ``buckets`` yields, all of them by ``deadline`` (one budget for
-    the version, so a stalled peer costs one timeout, not one per bucket); ``sent(bucket)`` once
-    a bucket left the wire."""
+    """Broadcast every bucket ``buckets`` yields; ``sent(bucket)`` once a bucket left the wire."""
     specs: list[BucketSpec] = []
     in_flight: deque[tuple[list[Pending], Bucket, list[torch.Tensor]]] = deque()
 
     def retire_oldest() -> None:
         pending, bucket, _keepalive = in_flight.popleft()
         for p in pending:
-            p.wait(deadline, check,
+            p.wait(time.monotonic() + timeout_s, check,
                    f"broadcast of bucket {len(specs) - len(in_flight)} "
                    f"(generation {group.generation})")
         sent(bucket)
@@ -60,7 +58,7 @@ def send_buckets(group: WeightGroup, buckets: Iterator[Bucket], *, deadline: flo
     end_pending = group.broadcast(end)
     while in_flight:
         retire_oldest()
-    end_pending.wait(deadline, check, "end-of-version marker")
+    end_pending.wait(time.monotonic() + timeout_s, check, "end-of-version marker")
     return specs
 
 
