@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 
 from streamrl.types import Group
@@ -87,10 +87,15 @@ class ReplayBuffer(abc.ABC):
     def try_admit(self, holder: str = "") -> bool:
         """Atomically claim the right to start one group; False when the bound is reached."""
 
-    async def atry_admit(self, holder: str = "") -> bool:
-        """``try_admit`` from an event loop that must not block (``streamrl serve`` admits every
-        new episode): a thread by default; backends with an async client await it instead."""
-        return await asyncio.to_thread(self.try_admit, holder)
+    def atry_admit(self, holder: str = "") -> Awaitable[bool]:
+        """``try_admit`` for an event loop that must not block (``streamrl serve`` admits every
+        new episode): a thread by default; backends with an async client await it instead.
+
+        A plain method returning an awaitable, never ``async def``: Ray makes any actor class
+        with a coroutine method an async actor, whose sync methods then run one at a time on
+        its event loop, so ``BufferActor``'s blocking ``take`` would stall every ``put`` (it
+        did: ~1 group/s, 35 s steps)."""
+        return asyncio.to_thread(self.try_admit, holder)
 
     @abc.abstractmethod
     def cancel_admission(self, holder: str = "") -> None:
@@ -162,8 +167,8 @@ class HeldBuffer(ReplayBuffer):
     def try_admit(self, holder: str = "") -> bool:
         return self.buffer.try_admit(holder or self.holder)
 
-    async def atry_admit(self, holder: str = "") -> bool:
-        return await self.buffer.atry_admit(holder or self.holder)
+    def atry_admit(self, holder: str = "") -> Awaitable[bool]:
+        return self.buffer.atry_admit(holder or self.holder)
 
     def cancel_admission(self, holder: str = "") -> None:
         self.buffer.cancel_admission(holder or self.holder)

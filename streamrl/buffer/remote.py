@@ -11,6 +11,7 @@ actor: every process connects to Redis itself. Depends on base and memory.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -47,9 +48,9 @@ class RemoteBuffer(ReplayBuffer):
     def try_admit(self, holder: str = "") -> bool:
         return bool(ray.get(self.handle.try_admit.remote(holder)))
 
-    async def atry_admit(self, holder: str = "") -> bool:
-        # Awaited on the caller's loop: no thread per call (the default pool has cpu+4).
-        return bool(await self.handle.try_admit.remote(holder))
+    def atry_admit(self, holder: str = "") -> Awaitable[bool]:
+        # The ObjectRef itself, awaited on the caller's loop: no thread per call.
+        return self.handle.try_admit.remote(holder)
 
     def cancel_admission(self, holder: str = "") -> None:
         ray.get(self.handle.cancel_admission.remote(holder))

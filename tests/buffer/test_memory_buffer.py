@@ -118,3 +118,16 @@ def test_async_admission_keeps_the_bound_and_the_holder() -> None:
     assert buf.stats().started == 2
     assert buf.release("replica-0.0") == 2  # counted under the holder, like try_admit
     assert buf.stats().started == 0
+
+
+def test_the_buffer_actor_class_stays_a_threaded_actor() -> None:
+    """Ray turns an actor class with any coroutine method into an async actor, whose sync
+    methods run one at a time on its event loop: the learner's blocking ``take`` then stalls
+    every replica's ``put`` (measured: ~1 group/s, 35 s sync steps)."""
+    import inspect
+
+    from streamrl.buffer.remote import BufferActor
+
+    coroutines = [name for name, fn in inspect.getmembers(BufferActor, inspect.isfunction)
+                  if inspect.iscoroutinefunction(fn)]
+    assert coroutines == []
