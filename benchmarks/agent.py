@@ -18,6 +18,9 @@ episodes sit between turns.
 
     .venv/bin/python benchmarks/agent.py                       # 32 prompts, n=4, 4 turns x 32
     .venv/bin/python benchmarks/agent.py --hidden-size 256 --layers 4
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(agent_vs_single_turn; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ encodes ``--groups`` identical-size groups once, then measures on the same serve
 - ``raw unpipelined``: one XADD round trip per group (what a lone replica's put costs at best).
 
 Run: ``.venv/bin/python benchmarks/buffer.py [--groups 2000 --n 4 --response-len 128 --batch 16]``
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(redis_buffer_vs_raw_pipelined; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

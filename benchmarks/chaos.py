@@ -51,6 +51,9 @@ a shared machine: expect noise.
 Goals: every scenario recovered or stopped with a clear error (learner_kill: and the resume
 finished; driver_sigterm: any exit, nothing left) within 60 s with lost = duplicated = 0; no
 process outlives its run.
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(chaos_<scenario> and chaos_no_orphans; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

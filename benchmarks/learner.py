@@ -8,6 +8,9 @@
 
 Run: ``.venv/bin/python benchmarks/learner.py [--repeats 3]`` (OMP_NUM_THREADS defaults to 1
 here so numbers are comparable on a shared machine; set it yourself to use more cores).
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(learner_update_vs_bare_time and learner_dynamic_vs_padded; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

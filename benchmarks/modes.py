@@ -9,6 +9,9 @@ against sync measured in the same run, plus the absolute numbers.
     .venv/bin/python benchmarks/modes.py [--steps 20] [--warmup 4] [key=value ...]
 
 Goals on 2 cores: fully_async >= 1.8x sync, one_step_off >= 1.4x sync.
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(one_step_off_vs_sync and fully_async_vs_sync; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ in this one). Prints absolute figures and the vLLM / hf ratio.
 
     .venv/bin/python benchmarks/rollout.py                    # 64 prompts, n=4, 32 new tokens
     .venv/bin/python benchmarks/rollout.py --backends vllm --prompts 256
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(vllm_vs_hf_rollout; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

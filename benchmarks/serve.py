@@ -24,6 +24,9 @@ early, so each server's own token count is used. Latency is per call, as its cli
 difference of the two servers' p50 / p99 is what the service adds per request.
 
     .venv/bin/python benchmarks/serve.py [--requests 16 --max-tokens 64]
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(serve_vs_vllm_c8 and serve_vs_vllm_c32; ``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Run: ``.venv/bin/python benchmarks/weight_bus.py [--mparams 25] [--trials 5]``
    time the engine was paused for the swap (``load_into``: pause, reload, reset cache, resume),
    the largest gap between two finished requests during the swap vs without a swap, and the time
    of one plain copy of the whole state dict in memory.
+
+Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
+(weight_bus_vs_raw_1rx, weight_bus_vs_raw_2rx and replica_pause_vs_copy;
+``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations
