@@ -40,13 +40,13 @@ def measure(mode: str, steps: int, warmup: int, overrides: list[str]) -> dict[st
             "runtime.pin_cpus=true", *overrides,
         ])
         history = run_training(cfg).history[warmup:]
-    seconds = sum(h["timing/step"] for h in history)
+    seconds = sum(h["timing_s/step"] for h in history)
     trajectories = len(history) * cfg.task.train_batch_size * cfg.rollout.n
     return {
         "traj_per_s": trajectories / seconds,
         "seconds": seconds,
-        "take_s": sum(h["timing/take"] for h in history) / len(history),
-        "update_s": sum(h["timing/update"] for h in history) / len(history),
+        "take_s": sum(h["timing_s/take"] for h in history) / len(history),
+        "update_s": sum(h["timing_s/update_actor"] for h in history) / len(history),
         "reward": history[-1]["reward/mean"],
     }
 

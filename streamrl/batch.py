@@ -29,6 +29,20 @@ _ROW_META = ("num_groups", "group_ids", "min_version")
 """Meta keys summarising the rows: recomputed (or dropped) whenever the rows change."""
 
 
+def _baselines(groups: Sequence[Group]) -> torch.Tensor | None:
+    """``reward_baselines`` [B]: each row's group's greedy reward (ReMax), or None when no
+    group carries one. A batch mixing groups with and without one cannot be trained."""
+    carried = [g.baseline_reward is not None for g in groups]
+    if not any(carried):
+        return None
+    if not all(carried):
+        missing = next(g.group_id for g in groups if g.baseline_reward is None)
+        raise ValueError(f"Group {missing}: has no baseline_reward while others in the batch "
+                         "do (rollout.greedy_baseline must be on for every producer)")
+    return torch.tensor([g.baseline_reward for g in groups for _ in g.trajectories],
+                        dtype=torch.float32)
+
+
 def _column(values: list[Any], dtype: Any = object) -> np.ndarray:
     out = np.empty(len(values), dtype=dtype)
     out[:] = values  # element-wise, so tuples/None never become extra dimensions
@@ -242,6 +256,7 @@ class Batch:
         ``rollout_log_probs`` (float32), ``versions`` (long, -1 on observation tokens and
         padding), ``token_level_scores`` (float32: ``token_rewards`` if given, else the reward at
         the last policy token, or the last response token when no token is a policy token).
+        ``reward_baselines`` [B] (float32) when the groups carry a greedy baseline (ReMax).
         Every trajectory needs a non-empty prompt and response.
         """
         trajs = [t for g in groups for t in g.trajectories]
@@ -279,6 +294,7 @@ class Batch:
                 scores[i, int(policy[-1]) if policy.numel() else r - 1] = t.reward
         attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
         min_versions = [v for g in groups if (v := g.min_version) is not None]
+        baselines = _baselines(groups)
 
         return cls(
             tensors={
@@ -291,6 +307,7 @@ class Batch:
                 "rollout_log_probs": log_probs,
                 "versions": versions,
                 "token_level_scores": scores,
+                **({"reward_baselines": baselines} if baselines is not None else {}),
             },
             non_tensors={
                 "uid": _column([t.uid for t in trajs]),

@@ -1,4 +1,4 @@
-"""Command line: ``streamrl train | serve | buffer stats | data tiny-model | config``.
+"""Command line: ``streamrl train | serve | report | buffer stats | data tiny-model | config``.
 
 ``streamrl train [key=value ...]`` takes Hydra overrides, native (``rollout.n=4``,
 ``trainer.mode=sync``) or verl-style (``actor_rollout_ref.rollout.n=4``).
@@ -12,14 +12,23 @@ import signal
 import sys
 from types import FrameType
 
-from streamrl.config import ConfigError
+from streamrl.config import Config, ConfigError
 from streamrl.errors import RunStopped
 
 
-def _train(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> Config:
+    """The config of ``train`` / ``serve`` (``-v``: trainer.log_level=debug), logging set."""
+    from streamrl import logs
     from streamrl.config import load_config
 
-    cfg = load_config(args.overrides)  # before the heavy imports: a bad override fails at once
+    overrides = [*args.overrides, *(["trainer.log_level=debug"] if args.verbose else [])]
+    cfg = load_config(overrides)
+    logs.configure(cfg.trainer.log_level)
+    return cfg
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = _load(args)  # before the heavy imports: a bad override fails at once
     from streamrl.controller import run_training
 
     run_training(cfg)
@@ -55,16 +64,30 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _buffer_stats(args: argparse.Namespace) -> int:
-    from streamrl.buffer.redis import print_stats
+    from streamrl.buffer.redis import print_stats, watch_stats
 
+    if args.watch:
+        return watch_stats(args.redis_url, args.run, args.interval)
     return print_stats(args.redis_url, args.run)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from streamrl.config import load_config
+    cfg = _load(args)
     from streamrl.serve import run_serve
 
-    return run_serve(load_config(args.overrides))
+    return run_serve(cfg)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from streamrl.report import ReportError, write_report
+
+    try:
+        summary = write_report(args.runs, args.out)
+    except ReportError as exc:
+        print(f"streamrl: report: {exc}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,22 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="run RL training (fully_async GRPO on the toy task by default)"
     )
     train.add_argument("overrides", nargs="*", help="key=value config overrides")
+    train.add_argument("-v", "--verbose", action="store_true",
+                       help="show every engine and library message (trainer.log_level=debug)")
     train.set_defaults(func=_train)
 
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible rollout service that trains on its clients' episodes")
     serve.add_argument("overrides", nargs="*")
+    serve.add_argument("-v", "--verbose", action="store_true",
+                       help="show every engine and library message (trainer.log_level=debug)")
     serve.set_defaults(func=_serve)
 
     config = sub.add_parser("config", help="print the composed, validated config")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_config)
 
+    report = sub.add_parser(
+        "report", help="PNG plots and a Markdown summary of recorded runs, side by side")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="trainer.output_dir of a run (holds metrics.jsonl)")
+    report.add_argument("--out", help="default: the run dir, or report/ for several runs")
+    report.set_defaults(func=_report)
+
     buffer = sub.add_parser("buffer", help="inspect a replay buffer")
     buffer_sub = buffer.add_subparsers(dest="buffer_command", required=True)
     stats = buffer_sub.add_parser("stats", help="lag and counters of a Redis buffer")
     stats.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     stats.add_argument("--run", default="default")
+    stats.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     stats.set_defaults(func=_buffer_stats)
 
     data = sub.add_parser("data", help="offline data and model builders")

@@ -29,6 +29,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from streamrl.config_compat import translate_overrides
 from streamrl.errors import ConfigError
+from streamrl.logs import LOG_LEVELS
 
 __all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "validate",
            "with_mode"]
@@ -121,6 +122,10 @@ class RolloutConfig:
     """DAPO overlong filtering: a response cut at the token budget (finish_reason "length")
     gets loss_mask 0, so it is not trained on; its reward still counts in its group's
     baseline."""
+    greedy_baseline: bool = False
+    """ReMax: with each group, sample one greedy response to the prompt and score it; its
+    reward travels in the group (``Group.baseline_reward``) as the advantage baseline.
+    ``algorithm=remax`` turns it on."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,8 @@ class BufferConfig:
     backend: str = "memory"
     """memory | redis"""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    """The single-node default; on a cluster, a Redis every node reaches (a Kubernetes
+    Service: docs/scale-out.md)."""
     run: str = "default"
     """Key namespace: streamrl:<run>:groups, streamrl:<run>:stats."""
     max_staleness: int = FULLY_ASYNC_DEFAULT_STALENESS
@@ -267,9 +274,11 @@ class WeightBusConfig:
     sync_every: int = 1
     update_policy: str = MODE_PRESETS["fully_async"].update_policies[0]
     """drain | pause | abort; sync and one_step_off allow only drain (MODE_PRESETS)."""
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = None
+    """Where learner rank 0 binds the bus (ZMQ control, TCPStore). None: loopback on a
+    single-node run (runtime.address null), else the Ray node IP of rank 0's node."""
     master_port: int = 0
-    """0: pick a free port."""
+    """0: pick a free port (on rank 0's node)."""
 
 
 @dataclass(frozen=True)
@@ -287,16 +296,45 @@ class TrainerConfig:
     project_name: str = "streamrl"
     experiment_name: str = "toy-grpo"
     logger: tuple[str, ...] = ("console", "jsonl")
-    """console | jsonl | wandb"""
+    """console | jsonl | wandb | tensorboard (docs/metrics.md lists every key)"""
+    log_level: str = "info"
+    """debug | info | warning; below debug, the engines' known CPU-mode warnings are hidden
+    (streamrl/logs.py); ``streamrl train -v`` is trainer.log_level=debug."""
+    trace: bool = False
+    """Write <output_dir>/trace.json: a Chrome trace (Perfetto) of when each replica generated
+    and when the learner waited, updated and published."""
     seed: int = 0
+
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """How one resource pool (a Ray placement group) is laid over the cluster's nodes."""
+
+    strategy: str = "PACK"
+    """PACK (fewest nodes) | SPREAD (one bundle per node where it can) | STRICT_PACK |
+    STRICT_SPREAD: Ray's placement-group strategies."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Node labels every bundle requires (``ray start --labels='{"pool": "rollout"}'``):
+    steers the pool to the nodes started with them."""
+
+    def __hash__(self) -> int:  # configs stay hashable (see _tuples) with a mapping inside
+        return hash((self.strategy, tuple(sorted(self.labels.items()))))
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     address: str | None = None
-    """None: start a local Ray cluster."""
+    """None: start a local Ray cluster (single node: rendezvous bind on loopback). auto |
+    ray://host:10001 | host:6379: join that cluster (rendezvous bind on each node's Ray IP)."""
     placement: str = "disaggregated"
     """colocated | disaggregated"""
+    train_pool: PoolConfig = field(default_factory=PoolConfig)
+    """The learner ranks' pool (and the one shared pool when colocated)."""
+    rollout_pool: PoolConfig = field(default_factory=PoolConfig)
+    """The replicas' pool (disaggregated)."""
     num_cpus: int | None = None
     cpus_per_replica: float = 1.0
     cpus_per_learner: float = 1.0
@@ -407,11 +445,15 @@ def validate(cfg: Config) -> Config:
     _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algos.KL_PENALTY_TYPES)
     _check_choice("algorithm.kl_ctrl_type", cfg.algorithm.kl_ctrl_type, ("fixed", "adaptive"))
     _check_choice("runtime.placement", cfg.runtime.placement, ("colocated", "disaggregated"))
+    for pool in ("train_pool", "rollout_pool"):
+        _check_choice(f"runtime.{pool}.strategy", getattr(cfg.runtime, pool).strategy,
+                      PLACEMENT_STRATEGIES)
     _check_choice("learner.device", cfg.learner.device, ("auto", "cpu", "cuda"))
     _check_choice("actor.optim.lr_schedule", cfg.actor.optim.lr_schedule, ("constant", "cosine"))
     _check_choice("critic.optim.lr_schedule", cfg.critic.optim.lr_schedule, ("constant", "cosine"))
     for sink in cfg.trainer.logger:
-        _check_choice("trainer.logger", sink, ("console", "jsonl", "wandb"))
+        _check_choice("trainer.logger", sink, ("console", "jsonl", "wandb", "tensorboard"))
+    _check_choice("trainer.log_level", cfg.trainer.log_level, LOG_LEVELS)
 
     _check_positive(cfg, [
         "rollout.n", "rollout.max_new_tokens", "rollout.max_inflight_groups",
@@ -527,6 +569,7 @@ def validate(cfg: Config) -> Config:
               "already weights by proximal/behaviour: unset actor.tis_cap and actor.icepop_*")
     _check_mode(cfg)
     _check_dapo(cfg)
+    _check_remax(cfg)
     if cfg.weight_bus.backend == "colocated":
         # ColocatedPublisher hands weights to an engine in the learner's own process; the
         # runtime places learner ranks and engines in separate Ray actors, so only the
@@ -569,6 +612,17 @@ def _check_mode(cfg: Config) -> None:
               f"must be <= buffer.max_staleness + 1 = {eta + 1} with trainer.mode={mode!r}: "
               f"replicas would sample with weights up to {cfg.weight_bus.sync_every - 1} "
               f"versions old, past the staleness bound {eta}, so no group could ever be taken")
+
+
+def _check_remax(cfg: Config) -> None:
+    """ReMax's baseline is a greedy response the replica samples with each group."""
+    r = cfg.rollout
+    if cfg.algorithm.adv_estimator == "remax" and not r.greedy_baseline:
+        _fail("algorithm.adv_estimator", "remax", "needs rollout.greedy_baseline=true (the "
+              "greedy response's reward is the baseline; algorithm=remax sets both)")
+    if r.greedy_baseline and r.agent is not None:
+        _fail("rollout.greedy_baseline", True, f"is for single-turn groups, not agent episodes "
+              f"(rollout.agent={r.agent!r})")
 
 
 def _check_dapo(cfg: Config) -> None:
@@ -664,6 +718,8 @@ def _set_writable(node: Any) -> None:
         for key in node:
             child = node._get_node(key)
             if isinstance(child, DictConfig):
+                if OmegaConf.get_type(child) is dict:  # a free mapping (pool labels): any key
+                    OmegaConf.set_struct(child, False)
                 _set_writable(child)
 
 

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +25,9 @@ from streamrl.batch import Batch
 from streamrl.config import Config
 from streamrl.errors import RunStopped
 from streamrl.learner.checkpoint import find_latest
-from streamrl.metrics import MetricsLogger, Timer, rollout_metrics
+from streamrl.metrics import MetricsLogger, RolloutIdle, Timer, rollout_metrics
 from streamrl.runtime import LearnerGroup, Runtime, WeightBus, build_runtime
+from streamrl.trace import ChromeTrace
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -94,8 +96,13 @@ class Controller:
         logger = MetricsLogger(
             cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name,
             cfg.trainer.experiment_name, config=dataclasses.asdict(cfg),
+            total_steps=self.total_steps,
         )
+        trace = (ChromeTrace(Path(cfg.trainer.output_dir) / "trace.json")
+                 if cfg.trainer.trace else None)
+        rollout_idle = RolloutIdle()
         result = TrainResult(steps=version)
+        began = time.perf_counter()
         rt.fleet.start()
         try:
             while version < self.total_steps:
@@ -119,26 +126,38 @@ class Controller:
                 self._consume([g.group_id for g in groups])
                 metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
                 metrics["rollout/logprob_abs_diff"] = logprob_mismatch(batch)
-                tokens = int(batch["attention_mask"].sum())
-                metrics["timing/step"] = time.perf_counter() - start
-                metrics["throughput/tokens_per_s"] = tokens / metrics["timing/step"]
+                step_s = metrics["timing_s/step"] = time.perf_counter() - start
+                metrics["perf/throughput"] = int(batch["attention_mask"].sum()) / step_s
+                metrics["trainer/idle_ratio"] = metrics["timing_s/take"] / step_s
+                metrics["time/elapsed_s"] = time.perf_counter() - began
                 metrics.update(self._maybe_validate(version))
                 ckpt = self._maybe_checkpoint(version)
                 result.checkpoint = ckpt or result.checkpoint
                 metrics.update({f"buffer/{k}": float(v) for k, v in
                                 dataclasses.asdict(rt.buffer.stats()).items()})
-                metrics.update(rt.fleet.metrics())
+                fleet = rt.fleet.metrics()
+                metrics.update(fleet, **rollout_idle(fleet))
                 logger.log(metrics, step=version)
+                if trace is not None:
+                    self._trace(trace, timer)
                 result.history.append({"step": version, **metrics})
                 result.steps = version
         finally:
             rt.fleet.stop()
             logger.close()
+            if trace is not None:
+                trace.write()
         return result
 
     def stop(self) -> None:
         """Make ``fit`` return after the current step (called from another thread)."""
         self._stop.set()
+
+    def _trace(self, trace: ChromeTrace, timer: Timer) -> None:
+        trace.add("learner", "learner", timer.spans)
+        for replica, spans in self.rt.fleet.trace_spans().items():
+            trace.add("rollout", replica, spans)
+        trace.step_done()
 
     def _take(self, n: int, version: int) -> list[Group] | None:
         """``buffer.take`` in short slices, so ``stop`` and a fleet that cannot go on (a replica

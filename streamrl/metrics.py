@@ -1,4 +1,5 @@
-"""Metric sinks (console, JSONL, wandb) and small timing/aggregation helpers for the controller."""
+"""Metric sinks (console progress, JSONL, wandb, TensorBoard) and the small timing and
+aggregation helpers of the controller. Every key is listed in docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -16,39 +17,72 @@ import numpy as np
 from streamrl.types import Group, Trajectory
 
 CONSOLE_KEYS = (
-    ("step", "step", "{:d}"),
     ("reward/mean", "reward", "{:.3f}"),
+    ("val/reward/mean", "val", "{:.3f}"),
     ("staleness/mean", "stale", "{:.2f}"),
-    ("throughput/tokens_per_s", "tok/s", "{:.0f}"),
-    ("timing/take", "take", "{:.2f}s"),
-    ("timing/prepare", "prep", "{:.2f}s"),
-    ("timing/update", "upd", "{:.2f}s"),
-    ("timing/publish", "pub", "{:.2f}s"),
+    ("staleness/max", "max", "{:.0f}"),
+    ("perf/throughput", "tok/s", "{:.0f}"),
+    ("buffer/queued", "buffer", "{:.0f}"),
+    ("trainer/idle_ratio", "idle learner", "{:.2f}"),
+    ("rollouter/idle_ratio", "rollout", "{:.2f}"),
 )
+PHASE_KEYS = {"take": "timing_s/take", "prepare": "timing_s/old_log_prob",
+              "update": "timing_s/update_actor", "publish": "timing_s/update_weights",
+              "step": "timing_s/step"}
+"""The controller's phases under verl's metric names where verl has one."""
 
 
 class Timer:
-    """Collects named phase durations: ``with timer("update"): ...``."""
+    """Collects phase durations (``with timer("update"): ...``) under ``PHASE_KEYS`` names,
+    and their wall-clock spans for the trace."""
 
     def __init__(self) -> None:
         self.durations: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []
+        """(phase, wall start, seconds)"""
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         try:
             yield
         finally:
-            self.durations[f"timing/{name}"] = time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.durations[PHASE_KEYS[name]] = seconds
+            self.spans.append((name, wall, seconds))
+
+
+class RolloutIdle:
+    """``rollouter/idle_ratio``: the share of replica wall time since the previous call with
+    no request in the engine, from the fleet's summed ``replica/busy_s`` and
+    ``replica/uptime_s`` (a replica that restarted resets both: that window is skipped)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+
+    def __call__(self, fleet: dict[str, float]) -> dict[str, float]:
+        if "replica/busy_s" not in fleet:
+            return {}
+        now = (fleet["replica/busy_s"], fleet["replica/uptime_s"])
+        last, self._last = self._last, now
+        if last is None or now[1] <= last[1] or now[0] < last[0]:
+            return {}
+        return {"rollouter/idle_ratio": min(1.0, max(0.0, 1 - (now[0] - last[0])
+                                                      / (now[1] - last[1])))}
 
 
 def rollout_metrics(groups: Sequence[Group], learner_version: int) -> dict[str, float]:
-    """Reward, length and staleness statistics of the groups a step trained on."""
+    """Reward, length and staleness statistics of the groups a step trained on, and the mean
+    generation and reward seconds of their trajectories."""
     rewards = np.array([t.reward for g in groups for t in g.trajectories], dtype=np.float64)
     lengths = np.array([len(t.response_ids) for g in groups for t in g.trajectories])
     staleness = np.array([g.staleness(learner_version) for g in groups])
     solved = np.array([max(g.rewards) > min(g.rewards) for g in groups])
     trajectories = [t for g in groups for t in g.trajectories]
+    token_staleness = np.array([learner_version - v for t in trajectories
+                                for v in t.policy_versions])
+    timings = {key: [t.metrics[name] for t in trajectories if name in t.metrics]
+               for key, name in (("timing_s/gen", "gen_s"), ("timing_s/reward", "score_s"))}
     return {
         "reward/mean": float(rewards.mean()),
         "reward/max": float(rewards.max()),
@@ -57,6 +91,13 @@ def rollout_metrics(groups: Sequence[Group], learner_version: int) -> dict[str, 
         "staleness/mean": float(staleness.mean()),
         "staleness/max": float(staleness.max()),
         "groups/with_signal": float(solved.mean()),
+        **({"staleness/token_mean": float(token_staleness.mean()),
+            "staleness/token_p90": float(np.percentile(token_staleness, 90)),
+            "staleness/token_max": float(token_staleness.max())}
+           if token_staleness.size else {}),
+        **{key: float(np.mean(values)) for key, values in timings.items() if values},
+        **({"reward/greedy_baseline": float(np.mean([g.baseline_reward for g in groups]))}
+           if all(g.baseline_reward is not None for g in groups) else {}),
         **episode_metrics(trajectories),
     }
 
@@ -82,6 +123,58 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return out
 
 
+class Progress:
+    """The console sink: one self-updating line on a terminal (rich; engine and Ray lines
+    scroll above it), one plain line per step when output goes to a file or CI. Shows
+    step/total, ETA, reward, staleness, tokens/s, buffer depth and the idle ratios."""
+
+    def __init__(self, total_steps: int, stream: TextIO) -> None:
+        self.total = total_steps
+        self.stream = stream
+        self._start = time.perf_counter()
+        self._first_step: int | None = None  # a resumed run starts past step 1
+        self._live: Any = None
+        if stream.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(file=stream), auto_refresh=False,
+                              redirect_stdout=True, redirect_stderr=True)
+            self._live.start()
+
+    def line(self, record: dict[str, float], step: int) -> str:
+        if self._first_step is None:
+            self._first_step = step
+        done = step - self._first_step + 1
+        eta = (time.perf_counter() - self._start) / done * (self.total - step)
+        parts = [f"step {step}/{self.total}", f"eta {_clock(eta)}"]
+        parts += [f"{label} {fmt.format(record[key])}" for key, label, fmt in CONSOLE_KEYS
+                  if key in record]
+        return " | ".join(parts)
+
+    def update(self, record: dict[str, float], step: int) -> None:
+        text = self.line(record, step)
+        if self._live is not None:
+            from rich.text import Text
+
+            # one line however narrow the terminal: cut, never wrapped
+            self._live.update(Text(text, no_wrap=True, overflow="ellipsis"), refresh=True)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def _clock(seconds: float) -> str:
+    if not np.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
 class MetricsLogger:
     """Fans one metrics dict per step out to the configured sinks."""
 
@@ -93,11 +186,13 @@ class MetricsLogger:
         experiment: str,
         config: dict[str, Any] | None = None,
         stream: TextIO = sys.stdout,
+        total_steps: int = 0,
     ) -> None:
         self.sinks = tuple(sinks)
-        self.stream = stream
+        self._progress = Progress(total_steps, stream) if "console" in self.sinks else None
         self._jsonl: TextIO | None = None
         self._wandb: Any = None
+        self._tensorboard: Any = None
         if "jsonl" in self.sinks:
             path = Path(output_dir) / "metrics.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,23 +207,30 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=project, name=experiment, config=config, dir=str(output_dir)
             )
+        if "tensorboard" in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **metrics}
-        if "console" in self.sinks:
-            parts = []
-            for key, label, fmt in CONSOLE_KEYS:
-                if key in record:
-                    parts.append(f"{label} {fmt.format(record[key])}")
-            print(" | ".join(parts), file=self.stream, flush=True)
+        if self._progress is not None:
+            self._progress.update(record, step)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if self._tensorboard is not None:
+            for key, value in metrics.items():
+                self._tensorboard.add_scalar(key, value, step)
 
     def close(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()

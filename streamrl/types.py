@@ -91,6 +91,8 @@ class Group(msgspec.Struct, kw_only=True):
     trajectories: list[Trajectory]
     prompt_index: int = -1
     created_ts: float = 0.0
+    baseline_reward: float | None = None
+    """ReMax: the reward of one greedy response to the prompt (rollout.greedy_baseline)."""
 
     def __post_init__(self) -> None:
         if not self.trajectories:

@@ -77,6 +77,8 @@ CASES = [
     case("unknown-toy-task", "train task.name=nosuch", "task.name='nosuch'", "'rep'"),
     case("zero-cpus-per-replica", "train runtime.cpus_per_replica=0",
          "runtime.cpus_per_replica=0.0", "must be > 0"),
+    case("wrong-placement-strategy", "train runtime.rollout_pool.strategy=spread",
+         "runtime.rollout_pool.strategy='spread'", "STRICT_SPREAD"),
     case("missing-checkpoint", "train trainer.resume={files}/no_ckpt",
          "trainer.resume='{files}/no_ckpt'", "checkpoint dir"),
     case("config-command", "config rollout.top_p=2", "rollout.top_p=2.0", "(0, 1]"),

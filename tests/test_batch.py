@@ -359,3 +359,15 @@ def test_packed_log_probs_equal_padded(tiny_model_dir: Path, attn: str) -> None:
         for leaky in (packed_log_probs(None, restart=False),
                       packed_log_probs(None, use_cache=True)):
             assert (leaky - padded)[valid].abs().max() > 1e-3
+
+
+def test_from_groups_carries_remax_baselines_per_row() -> None:
+    first, second = two_groups()
+    first.baseline_reward, second.baseline_reward = 0.25, 1.0
+    b = Batch.from_groups([first, second], pad_token_id=PAD)
+    assert b["reward_baselines"].tolist() == (
+        [0.25] * len(first.trajectories) + [1.0] * len(second.trajectories))
+    assert "reward_baselines" not in Batch.from_groups(two_groups(), pad_token_id=PAD).tensors
+    second.baseline_reward = None
+    with pytest.raises(ValueError, match=rf"Group {second.group_id}: has no baseline_reward"):
+        Batch.from_groups([first, second], pad_token_id=PAD)

@@ -228,7 +228,8 @@ def test_bad_mode_names_value() -> None:
      r"actor.policy_loss='decoupled': needs recomputed"),
     ({"actor.policy_loss": "decoupled", "actor.tis_cap": 2.0}, r"already weights"),
     ({"learner.world_size": 3}, r"must be divisible by learner.world_size=3"),
-    ({"trainer.logger": ("console", "tensorboard")}, r"trainer.logger='tensorboard'"),
+    ({"trainer.logger": ("console", "mlflow")}, r"trainer.logger='mlflow'"),
+    ({"trainer.log_level": "loud"}, r"trainer.log_level='loud'"),
     ({"rollout.num_replicas": 0}, r"rollout.num_replicas=0: needs buffer=redis"),
     ({"serve.max_tokens": 0}, r"serve.max_tokens=0: must be > 0"),
 ])

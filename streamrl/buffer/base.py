@@ -101,9 +101,18 @@ class ReplayBuffer(abc.ABC):
     def cancel_admission(self, holder: str = "") -> None:
         """Give back a claimed slot whose group will never be put (failed or aborted)."""
 
+    def acancel_admission(self, holder: str = "") -> Awaitable[None]:
+        """``cancel_admission`` for an event loop (a replica's); the call is under way when
+        this returns, so a caller cancelled while awaiting it still gives the slot back."""
+        return asyncio.ensure_future(asyncio.to_thread(self.cancel_admission, holder))
+
     @abc.abstractmethod
     def put(self, group: Group, holder: str = "") -> None:
         """Add a finished group (idempotent on group_id); settles one of ``holder``'s slots."""
+
+    def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
+        """``put`` for an event loop; like ``acancel_admission``, under way when it returns."""
+        return asyncio.ensure_future(asyncio.to_thread(self.put, group, holder))
 
     @abc.abstractmethod
     def release(self, holder: str) -> int:
@@ -173,8 +182,14 @@ class HeldBuffer(ReplayBuffer):
     def cancel_admission(self, holder: str = "") -> None:
         self.buffer.cancel_admission(holder or self.holder)
 
+    def acancel_admission(self, holder: str = "") -> Awaitable[None]:
+        return self.buffer.acancel_admission(holder or self.holder)
+
     def put(self, group: Group, holder: str = "") -> None:
         self.buffer.put(group, holder or self.holder)
+
+    def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
+        return self.buffer.aput(group, holder or self.holder)
 
     def release(self, holder: str) -> int:
         return self.buffer.release(holder)

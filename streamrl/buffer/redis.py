@@ -38,6 +38,7 @@ XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import re
 import sys
@@ -198,7 +199,8 @@ class RedisBuffer(ReplayBuffer):
         self._put(
             keys=[self.keys.stats, self.keys.ids, self.keys.groups, self.keys.queued,
                   self.keys.holders],
-            args=[group.group_id, -1 if oldest is None else oldest, encode(group), holder],
+            args=[group.group_id, -1 if oldest is None else oldest, encode(group), holder,
+                  producer(holder)],
         )
 
     # -- learner --------------------------------------------------------------------------
@@ -459,8 +461,31 @@ _STAT_ROWS = ("learner_version", "groups_per_step", "max_staleness", "started", 
               "staleness_max")
 
 
+def producer(holder: str) -> str:
+    """The replica a holder name stands for: holders are ``<replica>.<incarnation>``, and the
+    stats count per replica, across its restarts."""
+    return holder.rpartition(".")[0] or holder
+
+
+def watch_stats(redis_url: str, run: str, interval_s: float) -> int:
+    """``print_stats`` every ``interval_s`` seconds, redrawn in place on a terminal, until
+    Ctrl-C (0) or the first read that fails (1)."""
+    redraw = sys.stdout.isatty()
+    try:
+        while True:
+            frame = io.StringIO()
+            code = print_stats(redis_url, run, file=frame)
+            if code:
+                return code
+            print(("\x1b[H\x1b[2J" if redraw else "") + frame.getvalue(), end="", flush=True)
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
+
+
 def print_stats(redis_url: str, run: str, file: Any = None) -> int:
-    """Print the stats hash and the consumer-group lag of ``run``; 0, or 1 with a message."""
+    """Print the stats hash, each replica's production and lag, and the consumer-group lag of
+    ``run``; 0, or 1 with a message."""
     out = file if file is not None else sys.stdout
     try:
         keys = RunKeys.of(run)
@@ -493,6 +518,15 @@ def print_stats(redis_url: str, run: str, file: Any = None) -> int:
     for name, value in rows:
         print(f"  {name:<16} {value}", file=out)
     print("", file=out)
+    replicas = sorted(k.removeprefix("produced:") for k in stats if k.startswith("produced:"))
+    if replicas:
+        print("  replica          produced  last_version  lag", file=out)
+        for name in replicas:
+            last = stats.get(f"version:{name}")
+            lag = "-" if last is None else str(v - int(last))
+            print(f"  {name:<16} {stats[f'produced:{name}']:>8}  {last or '-':>12}  {lag:>3}",
+                  file=out)
+        print("", file=out)
     header = ("consumer_group", "lag", "pending", "consumers", "last_delivered_id")
     table = [header] + [
         (_s(g["name"]), "?" if g.get("lag") is None else _s(g["lag"]), _s(g["pending"]),

@@ -87,8 +87,11 @@ end
 return n
 """
 
-# Append a group to the stream, at most once per group_id, and move its slot to queued.
-# KEYS: stats ids groups queued holders; ARGV: group_id min_version (-1: none) data holder.
+# Append a group to the stream, at most once per group_id, and move its slot to queued; count
+# it for its producer ('produced:<p>', and 'version:<p>' its min_version: how far behind the
+# learner that producer samples).
+# KEYS: stats ids groups queued holders; ARGV: group_id min_version (-1: none) data holder
+# producer ('': none).
 # Returns 1, or 0 when group_id was put before (put is idempotent).
 PUT = _HELPERS + """
 local h = KEYS[1]
@@ -101,6 +104,10 @@ if not settle(h, KEYS[5], ARGV[4]) then
   redis.call('HINCRBY', h, 'started', 1)
 end
 redis.call('HINCRBY', h, 'produced', 1)
+if ARGV[5] ~= '' then
+  redis.call('HINCRBY', h, 'produced:' .. ARGV[5], 1)
+  if ARGV[2] ~= '-1' then redis.call('HSET', h, 'version:' .. ARGV[5], ARGV[2]) end
+end
 set_queued(h, KEYS[4])
 touch(h)
 return 1

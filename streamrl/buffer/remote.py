@@ -55,8 +55,14 @@ class RemoteBuffer(ReplayBuffer):
     def cancel_admission(self, holder: str = "") -> None:
         ray.get(self.handle.cancel_admission.remote(holder))
 
+    def acancel_admission(self, holder: str = "") -> Awaitable[None]:
+        return self.handle.cancel_admission.remote(holder)  # submitted now, like aput
+
     def put(self, group: Group, holder: str = "") -> None:
         ray.get(self.handle.put.remote(group, holder))
+
+    def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
+        return self.handle.put.remote(group, holder)
 
     def release(self, holder: str) -> int:
         return int(ray.get(self.handle.release.remote(holder)))

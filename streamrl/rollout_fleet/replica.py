@@ -22,6 +22,10 @@ DAPO shaping, all off by default (``algorithm=dapo`` turns on the first two):
 - overlong filtering (``rollout.overlong_filter``): a response cut at the budget
   (finish_reason ``length``) gets loss_mask 0; it stays in its group for the baseline.
 
+ReMax (``rollout.greedy_baseline``, set by ``algorithm=remax``): beside the n samples, one greedy
+response to the same prompt is sampled and scored the same way; its reward travels in the group
+(``Group.baseline_reward``) for the advantage, and the response itself is not trained on.
+
 Agent groups: each of the n samples is one multi-turn episode; the environment scores it (the
 scorer is not used). Every turn's request goes through the same request machinery as a
 single-turn group (``_sample_with_retries``: retries, the abort gate, resumption), so an episode
@@ -44,8 +48,14 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
   remaining token budget and concatenate. No sampled token is lost; the partial tokens keep
   their versions and log-probs.
 
-``buffer.try_admit`` and ``buffer.put`` are called synchronously (no await between deciding
-and recording), so a cancelled group can never be both put and given back.
+The buffer is awaited, never blocked on (``atry_admit``, ``aput``, ``acancel_admission``), so
+streaming requests and weight updates go on during its round trips. A put or give-back is under
+way before the first await, and a group settles its admission with exactly one of them, so a
+cancelled group can never be both put and given back.
+
+Metrics: counters (``ReplicaCounters``), ``busy_s`` (wall time with a request in the engine:
+what ``rollouter/idle_ratio`` is made of) and, with ``trace``, the spans a Chrome trace shows
+(``drain_spans``): each busy period ("generate") and each weight update.
 
 Dependencies: engine.py (protocol), buffer/base.py (protocol), agent/ (episodes), types.py,
 config.py, and duck-typed prompt stream (``next() -> Prompt``), scorer (``await score(...)``)
@@ -60,7 +70,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,7 +88,22 @@ logger = logging.getLogger(__name__)
 EQUAL_REWARDS_TOL = 1e-6
 """Dynamic sampling treats a group whose rewards spread no more than this as all equal."""
 FILTERED_STREAK_WARNING = 100
+MAX_SPANS = 100_000
+"""Trace spans a replica keeps between two drains (the controller drains every step)."""
 """A replica logs a warning after each run of this many consecutive filtered groups."""
+
+
+async def _all(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather``, except that when one fails the others are cancelled (a failed
+    group must not leave its siblings sampling) before the failure propagates."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def overlong_penalty(length: int, budget: int, buffer_len: int, factor: float) -> float:
@@ -144,6 +169,8 @@ class ReplicaCounters:
     """Responses cut at the token budget and masked out (rollout.overlong_filter)."""
     resumed_requests: int = 0
     """Partial responses resubmitted after an abort-policy weight update."""
+    aborted_requests: int = 0
+    """Requests aborted in the engine (abort-policy updates, cancelling stops)."""
     admission_refused: int = 0
     loop_errors: int = 0
     episodes: int = 0
@@ -153,7 +180,11 @@ class ReplicaCounters:
     """Tool calls that became error observations (ill-formed, raised, timed out, junk)."""
     episodes_truncated: int = 0
     weight_updates: int = 0
-    last_update_s: float = 0.0
+    weight_pause_s: float = 0.0
+    """How long the last weight update kept the replica from starting work (drain wait and
+    swap)."""
+    busy_s: float = 0.0
+    """Wall seconds with at least one request in the engine (finished busy periods)."""
 
 
 class Replica:
@@ -170,6 +201,7 @@ class Replica:
         *,
         name: str = "replica",
         admit_backoff_s: float = 0.02,
+        trace: bool = False,
     ) -> None:
         if rollout.max_inflight_groups <= 0:
             raise ValueError(f"rollout.max_inflight_groups={rollout.max_inflight_groups}: "
@@ -199,6 +231,8 @@ class Replica:
         self._started_at = time.monotonic()
         self._progressed_at = time.monotonic()
         self._filtered_streak = 0  # consecutive groups dynamic sampling dropped
+        self._busy_since = 0.0  # perf_counter when the engine last went from idle to busy
+        self._spans: list[tuple[str, float, float]] | None = [] if trace else None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -251,7 +285,7 @@ class Replica:
                 await self._changed.wait()
                 continue
             try:
-                admitted = self.buffer.try_admit()
+                admitted = await self.buffer.atry_admit()
             except Exception:
                 self.counters.loop_errors += 1
                 logger.exception("%s: buffer.try_admit failed; retrying", self.name)
@@ -266,7 +300,7 @@ class Replica:
             except Exception:
                 self.counters.loop_errors += 1
                 logger.exception("%s: prompts.next() failed; retrying", self.name)
-                self._give_back()
+                await self._give_back()
                 await self._wait_changed(self.admit_backoff_s * 10)
                 continue
             task = asyncio.create_task(self._group(prompt), name=f"{self.name}-group")
@@ -295,9 +329,9 @@ class Replica:
                            self.name, self._filtered_streak, rewards[0])
         return True
 
-    def _give_back(self) -> None:
+    async def _give_back(self) -> None:
         try:
-            self.buffer.cancel_admission()
+            await self.buffer.acancel_admission()
         except Exception:
             logger.exception("%s: buffer.cancel_admission failed", self.name)
 
@@ -305,30 +339,42 @@ class Replica:
 
     async def _group(self, prompt: PromptLike) -> None:
         group_id = new_uid()
+        settled = False  # a put or give-back of this group's admission is under way
         try:
-            if self.agent is None:
-                trajectories = await self._single_turn(prompt, group_id)
+            sample = (self._single_turn(prompt, group_id) if self.agent is None
+                      else self._episodes(prompt, group_id))
+            if self.rollout.greedy_baseline:
+                trajectories, baseline = await _all(sample, self._greedy_reward(prompt, group_id))
             else:
-                trajectories = await self._episodes(prompt, group_id)
+                trajectories, baseline = await sample, None
             group = Group(group_id=group_id, trajectories=list(trajectories),
-                          prompt_index=prompt.index, created_ts=time.time())
+                          prompt_index=prompt.index, created_ts=time.time(),
+                          baseline_reward=baseline)
+            settled = True
             if self._filtered(group.rewards):
-                self._give_back()  # the loop admits another group in its place
+                await self._give_back()  # the loop admits another group in its place
                 return
-            self.buffer.put(group)
+            try:
+                await self.buffer.aput(group)
+            except Exception:
+                await self._give_back()  # the put failed: nothing was recorded
+                raise
         except _Cancelled:  # stop(cancel=True) aborted its requests
             self.counters.groups_cancelled += 1
-            self._give_back()
+            if not settled:
+                await self._give_back()
             return
         except asyncio.CancelledError:  # stop()'s timeout ran out
             self.counters.groups_cancelled += 1
-            self._give_back()
+            if not settled:
+                await self._give_back()
             raise
         except Exception:
             self.counters.groups_failed += 1
             logger.exception("%s: group for prompt %s failed; admission given back",
                              self.name, prompt.index)
-            self._give_back()
+            if not settled:
+                await self._give_back()
             return
         c = self.counters
         c.groups += 1
@@ -344,18 +390,19 @@ class Replica:
         return list(await asyncio.gather(
             *(self._trajectory(prompt, group_id, c, gen_s) for c in completions)))
 
+    async def _greedy_reward(self, prompt: PromptLike, group_id: str) -> float:
+        """ReMax's baseline: the reward of one greedy response to the prompt, scored (and
+        shaped) as the group's own responses are."""
+        params = dataclasses.replace(self.params, n=1, temperature=0.0)
+        (c,) = await self._sample_with_retries(prompt.prompt_ids, params, f"{group_id}-greedy",
+                                               f"the greedy baseline of prompt {prompt.index}")
+        reward, _ = await self._score(prompt, c)
+        return reward
+
     async def _episodes(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
         assert self.agent is not None
-        tasks = [asyncio.ensure_future(run_episode(self.agent, prompt, self._sample_turn,
-                                                   f"{group_id}-e{i}"))
-                 for i in range(self.rollout.n)]
-        try:
-            episodes = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:  # a failed group must not leave its siblings sampling
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        episodes = await _all(*(run_episode(self.agent, prompt, self._sample_turn,
+                                            f"{group_id}-e{i}") for i in range(self.rollout.n)))
         return [self._episode_trajectory(prompt, group_id, e) for e in episodes]
 
     async def _sample_turn(self, prompt_ids: list[int], max_tokens: int, request_id: str
@@ -423,8 +470,9 @@ class Replica:
         await self._gate.wait()
         if self._cancelling:
             raise _Cancelled
-        if not self._requests:  # the stall clock starts with the first request in flight
+        if not self._requests:  # the stall clock and a busy period start here
             self._progressed_at = time.monotonic()
+            self._busy_since = time.perf_counter()
         self._requests.add(request_id)
         try:
             if on_tokens is not None:
@@ -436,6 +484,9 @@ class Replica:
             return completions
         finally:
             self._requests.discard(request_id)
+            if not self._requests:
+                self.counters.busy_s += time.perf_counter() - self._busy_since
+                self._span("generate", self._busy_since)
 
     async def _resume_if_aborted(
         self, prompt_ids: list[int], done: Completion, params: SamplingParams, request_id: str,
@@ -472,6 +523,20 @@ class Replica:
     async def _trajectory(
         self, prompt: PromptLike, group_id: str, c: Completion, gen_s: float
     ) -> Trajectory:
+        reward, metrics = await self._score(prompt, c)
+        metrics["gen_s"] = gen_s
+        return Trajectory(
+            uid=new_uid(), group_id=group_id, prompt_ids=list(prompt.prompt_ids),
+            response_ids=list(c.token_ids), loss_mask=self._mask([1] * len(c.token_ids),
+                                                                 c.finish_reason),
+            logprobs=list(c.logprobs), versions=list(c.versions), reward=reward,
+            finish_reason=c.finish_reason, data_source=prompt.data_source,
+            ground_truth=prompt.ground_truth, extra=dict(prompt.extra), metrics=metrics,
+        )
+
+    async def _score(self, prompt: PromptLike, c: Completion) -> tuple[float, dict[str, float]]:
+        """The shaped reward of one completion and its timing metrics; a scorer that raises
+        or returns a non-finite value scores 0 (counted)."""
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         # rep-style rewards count over the token budget; prompt fields take precedence.
         extra_info = {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra}
@@ -486,16 +551,9 @@ class Replica:
         if not math.isfinite(reward):
             self.counters.reward_failures += 1
             reward = 0.0
-        metrics = {"gen_s": gen_s, "score_s": time.perf_counter() - start}
+        metrics = {"score_s": time.perf_counter() - start}
         reward += self._overlong(len(c.token_ids), self.rollout.max_new_tokens, metrics)
-        return Trajectory(
-            uid=new_uid(), group_id=group_id, prompt_ids=list(prompt.prompt_ids),
-            response_ids=list(c.token_ids), loss_mask=self._mask([1] * len(c.token_ids),
-                                                                 c.finish_reason),
-            logprobs=list(c.logprobs), versions=list(c.versions), reward=reward,
-            finish_reason=c.finish_reason, data_source=prompt.data_source,
-            ground_truth=prompt.ground_truth, extra=dict(prompt.extra), metrics=metrics,
-        )
+        return reward, metrics
 
     def _overlong(self, length: int, budget: int, metrics: dict[str, float]) -> float:
         """The soft overlong punishment of a ``length``-token response (0 when it is off)."""
@@ -574,7 +632,8 @@ class Replica:
                 finally:
                     self._gate.set()
             self.counters.weight_updates += 1
-            self.counters.last_update_s = time.perf_counter() - start
+            self.counters.weight_pause_s = time.perf_counter() - start
+            self._span(f"weights v{version} ({policy})", start)
 
     async def _swap(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int
                     ) -> None:
@@ -585,6 +644,7 @@ class Replica:
 
     async def _abort_requests(self) -> None:
         for request_id in list(self._requests):
+            self.counters.aborted_requests += 1
             await self.engine.abort(request_id)
 
     # -- metrics ------------------------------------------------------------------------------
@@ -596,9 +656,23 @@ class Replica:
             return 0.0
         return time.monotonic() - self._progressed_at
 
+    def _span(self, name: str, start: float) -> None:
+        """Record a span from ``start`` (perf_counter) to now, in wall-clock seconds."""
+        if self._spans is not None and len(self._spans) < MAX_SPANS:
+            now = time.perf_counter()
+            self._spans.append((name, time.time() - (now - start), now - start))
+
+    def drain_spans(self) -> list[tuple[str, float, float]]:
+        """(name, wall start, seconds) recorded since the last call (tracing on; else [])."""
+        if self._spans is None:
+            return []
+        spans, self._spans = self._spans, []
+        return spans
+
     def metrics(self) -> dict[str, float]:
         c = self.counters
         elapsed = max(time.monotonic() - self._started_at, 1e-9)
+        busy = c.busy_s + (time.perf_counter() - self._busy_since if self._requests else 0.0)
         return {
             "groups": float(c.groups),
             "trajectories": float(c.trajectories),
@@ -612,6 +686,7 @@ class Replica:
             "reward_mean": c.reward_sum / c.trajectories if c.trajectories else 0.0,
             "overlong_filtered": float(c.overlong_filtered),
             "resumed_requests": float(c.resumed_requests),
+            "aborted_requests": float(c.aborted_requests),
             "admission_refused": float(c.admission_refused),
             "loop_errors": float(c.loop_errors),
             "episodes": float(c.episodes),
@@ -621,6 +696,8 @@ class Replica:
             "episodes_truncated": float(c.episodes_truncated),
             "inflight_groups": float(len(self._groups)),
             "weight_updates": float(c.weight_updates),
-            "last_update_s": c.last_update_s,
+            "weight_pause_s": c.weight_pause_s,
+            "busy_s": busy,
+            "uptime_s": elapsed,
             "version": float(self.engine.version),
         }

@@ -88,7 +88,10 @@ class SGLangEngine(RolloutEngine):
         log_path: str | None = None,
         env: dict[str, str] | None = None,
     ) -> SGLangEngine:
-        """Start an SGLang server on ``model_path`` and wait until ``/health`` answers 200."""
+        """Start an SGLang server on ``model_path`` and wait until ``/health`` answers 200.
+
+        ``host``: loopback by default, also on a cluster: only the replica that launched the
+        server, on the same node, talks to it (the weight relay binds where it reaches it)."""
         import requests
 
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,

@@ -204,6 +204,7 @@ class _Stream:
 
 def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | None = None) -> Any:
     """The ``AsyncEngineArgs`` a VLLMEngine is built from (one place for every knob)."""
+    from huggingface_hub.utils import are_progress_bars_disabled
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -219,6 +220,8 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
         worker_extension_cls=WORKER_EXTENSION,
         enable_sleep_mode=torch.cuda.is_available(),
         disable_log_stats=True,
+        # One switch for every loader's bars (streamrl.logs quiets them below debug).
+        use_tqdm_on_load=not are_progress_bars_disabled(),
     )
 
 

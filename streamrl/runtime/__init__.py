@@ -7,8 +7,9 @@ Parts:
 - ``actors``: the process roles placed as Ray actors (``LearnerActor``, ``ReplicaActor``),
 - ``supervisor``: notices dead or hung replicas, gives their admissions back, re-creates them,
 - ``build_runtime(cfg)`` (here): wires them up in ``setup`` order — shared buffer, learner
-  ranks, replicas joined to the weight bus — and on exit stops every actor and shuts Ray down
-  (``ray.shutdown``, never ``ray stop``).
+  ranks (rendezvous at an address rank 0 picks on its own node), replicas joined to the weight
+  bus — and on exit stops every actor and shuts Ray down (``ray.shutdown``, never ``ray stop``).
+  The same config runs on one machine (``runtime.address`` unset: loopback) or on a cluster.
 
 Components never reference the runtime; it wires them and the controller drives them.
 Dependencies point down: runtime -> learner / rollout_fleet / buffer / weight_bus.
@@ -16,19 +17,21 @@ Dependencies point down: runtime -> learner / rollout_fleet / buffer / weight_bu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import ray
+import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from streamrl.buffer import make_buffer
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
+from streamrl.logs import CPU_MODE_NOTE
 from streamrl.models import resolve_model_path
-from streamrl.net import free_port
 from streamrl.rollout_fleet import load_user_code
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
@@ -37,6 +40,7 @@ from streamrl.runtime.supervisor import Member, Supervisor, holder_name, shut_do
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
 ACTOR_SHUTDOWN_TIMEOUT_S = 30
+log = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -87,14 +91,16 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         endpoint: str | None = None
         if learners:
             assert train_pg is not None
-            learner_port = free_port()
             ranks = [
                 ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
                     scheduling_strategy=in_bundle(train_pg, rank),
-                ).remote(cfg, rank, cfg.learner.world_size, "127.0.0.1", learner_port)
+                ).remote(cfg, rank, cfg.learner.world_size)
                 for rank in range(cfg.learner.world_size)
             ]
             actors.extend(ranks)
+            # The FSDP group rendezvous on rank 0's node, at a port picked there.
+            master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+            ray.get([r.start.remote(master_addr, master_port) for r in ranks])
             learner_group = LearnerGroup(ranks)
             endpoint = ray.get(ranks[0].bus_endpoint.remote())
             announce = getattr(buffer, "announce_bus", None)
@@ -111,6 +117,9 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
                       loops=not serving)
         ray.get([r.setup.remote() for r in fleet.replicas])
+        if num_replicas and cfg.rollout.backend == "vllm" and cfg.trainer.log_level != "debug" \
+                and not torch.cuda.is_available():
+            log.info(CPU_MODE_NOTE)  # in place of the engines' start-up warnings about it
         if learner_group is not None and num_replicas:
             ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
         fleet.supervise(Supervisor(cfg, fleet.members, buffer, spawn, loops=not serving,

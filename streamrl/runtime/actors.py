@@ -13,7 +13,9 @@ use them in-process. Depends on learner, rollout_fleet, weight_bus, data and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +23,7 @@ from typing import Any
 
 from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
+from streamrl.net import free_port, interface_of, node_host
 from streamrl.runtime.placement import pin_to_core
 from streamrl.runtime.supervisor import holder_name
 
@@ -28,16 +31,50 @@ log = logging.getLogger(__name__)
 
 
 class LearnerActor:
-    def __init__(self, cfg: Config, rank: int, world_size: int, master_addr: str,
-                 master_port: int) -> None:
+    """Started in two calls so every rendezvous binds on the node that hosts it: rank 0's
+    ``rendezvous()`` picks the FSDP group's address and port on its own node, then ``start``
+    on every rank joins the group (and builds rank 0's weight publisher there too)."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int) -> None:
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.host = node_host(cfg.runtime.address)  # here: the node Ray placed this rank on
+        self.bound: dict[str, str] = {}
+        """What this rank's rendezvous bind on, by component (``bound_addresses``)."""
+        self.worker: Any = None
+        self.publisher: Any = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, port) of the FSDP group's store, free on this node (rank 0)."""
+        port = free_port(self.host)
+        self.bound["learner.rendezvous"] = self.host
+        return self.host, port
+
+    def start(self, master_addr: str, master_port: int) -> None:
         from streamrl.learner.worker import LearnerWorker
         from streamrl.weight_bus import make_publisher
 
-        if cfg.runtime.pin_cpus:
-            pin_to_core(rank)
-        self.cfg = cfg
-        self.worker = LearnerWorker(cfg, rank, world_size, master_addr, master_port)
-        self.publisher = make_publisher(cfg.weight_bus) if rank == 0 else None
+        if self.cfg.runtime.pin_cpus:
+            pin_to_core(self.rank)
+        if self.cfg.runtime.address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo binds where the hostname resolves (often loopback): use the node's interface.
+            interface = interface_of(self.host)
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+                self.bound["learner.gloo"] = self.host
+        self.worker = LearnerWorker(self.cfg, self.rank, self.world_size, master_addr,
+                                    master_port)
+        if self.rank == 0:
+            bus = self.cfg.weight_bus
+            self.publisher = make_publisher(
+                dataclasses.replace(bus, master_addr=bus.master_addr or self.host))
+            self.bound["weight_bus.control"] = str(self.publisher.control.address)
+            self.bound["weight_bus.store"] = str(self.publisher.host)
+
+    def bound_addresses(self) -> dict[str, str]:
+        """This rank's Ray node IP (``node``) and where each of its rendezvous bound."""
+        import ray
+
+        return {"node": str(ray.util.get_node_ip_address()), **self.bound}
 
     def bus_endpoint(self) -> str:
         assert self.publisher is not None, "only rank 0 publishes"
@@ -134,7 +171,8 @@ class ReplicaActor:
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
         self.prompts = self._prompt_stream(cursor=0)
         self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
-                               cfg.rollout, name=f"replica-{self.index}")
+                               cfg.rollout, name=f"replica-{self.index}",
+                               trace=cfg.trainer.trace)
         if self.bus_endpoint is not None:
             await self.connect_bus(self.bus_endpoint)
 
@@ -195,7 +233,15 @@ class ReplicaActor:
             await self.replica.stop(cancel=True, timeout=60)
 
     async def metrics(self) -> dict[str, float]:
-        return dict(self.replica.metrics())
+        out = self.replica.metrics()
+        # The reward pool scores its failures 0 itself; its counts complete the replica's.
+        pool = getattr(self.scorer, "metrics", dict)()
+        out["reward_failures"] += pool.get("failures", 0.0) + pool.get("non_finite", 0.0)
+        out["reward_timeouts"] = pool.get("timeouts", 0.0)
+        return out
+
+    async def trace_spans(self) -> list[tuple[str, float, float]]:
+        return self.replica.drain_spans()
 
     async def validate(self) -> dict[str, float]:
         """Greedy answers (or greedy agent episodes) to every validation prompt, scored: mean

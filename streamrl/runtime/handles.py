@@ -167,6 +167,18 @@ class Fleet:
             out["fleet/released_admissions"] = float(self.supervisor.released)
         return out
 
+    def trace_spans(self) -> dict[str, list[tuple[str, float, float]]]:
+        """Each live replica's spans since the last call (``trainer.trace``), by name."""
+        with self.lock:
+            members = [m for m in self.members if m.live]
+        spans = {}
+        for m in members:
+            try:
+                spans[m.name] = list(ray.get(m.actor.trace_spans.remote()))
+            except RayActorError:
+                continue  # died: its supervisor replaces it
+        return spans
+
     def state(self) -> list[dict[str, Any]]:
         # A replica being re-created is saved with the cursor of its last heartbeat.
         with self.lock:
@@ -196,7 +208,7 @@ class Fleet:
             m.state = dict(s)
 
 
-AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "last_update_s"})
+AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "weight_pause_s"})
 
 
 @dataclass

@@ -3,7 +3,8 @@
 - ``WORKER_ENV``: the environment every worker process needs for CPU engines (DESIGN.md §11),
 - ``init_ray(cfg)``: start a local Ray (or join ``runtime.address``) with token auth on,
 - ``reserve_pools(cfg)``: placement groups — ``colocated``: learner rank i and replica i share
-  bundle i; ``disaggregated``: a train pool and a rollout pool,
+  bundle i; ``disaggregated``: a train pool and a rollout pool; each pool laid over the nodes
+  by its ``runtime.<pool>`` strategy (PACK / SPREAD ...) and node labels,
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
 - ``pin_to_core(slot)``: optional core pinning (``runtime.pin_cpus``).
@@ -18,11 +19,13 @@ import signal
 import threading
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from streamrl.config import Config
+from streamrl.config import Config, PoolConfig
 from streamrl.errors import ConfigError
+from streamrl.logs import worker_env
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
@@ -30,7 +33,6 @@ WORKER_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 POOL_READY_TIMEOUT_S = 120
 
@@ -41,11 +43,13 @@ def init_ray(cfg: Config) -> bool:
         return False
     on_sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(
-        address=cfg.runtime.address,
+        # Unset: a cluster of the run's own. Ray's default (None) would join any cluster that
+        # `ray start` or another test left on this machine, whose addresses are not loopback.
+        address=cfg.runtime.address or "local",
         num_cpus=cfg.runtime.num_cpus if cfg.runtime.address is None else None,
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": WORKER_ENV},
+        runtime_env={"env_vars": {**WORKER_ENV, **worker_env(cfg.trainer.log_level)}},
     )
     # Ray's core worker replaces the driver's SIGTERM handler with one that aborts the process
     # (no clean-up, orphans left): keep the caller's (the CLI unwinds and stops every actor).
@@ -90,20 +94,46 @@ def reserve_pools(cfg: Config, *, learners: bool = True
     """(train pool, rollout pool); the same group twice when colocated, None for a pool with
     nothing to place (no learners in a serve-only process, no replicas in a trainer fed by
     ``streamrl serve``)."""
+    rt = cfg.runtime
     world = cfg.learner.world_size if learners else 0
     replicas = cfg.rollout.num_replicas
-    if cfg.runtime.placement == "colocated" and world and replicas:
-        bundle = {"CPU": cfg.runtime.cpus_per_learner + cfg.runtime.cpus_per_replica}
-        pg = placement_group([bundle] * max(world, replicas), strategy="PACK")
-        ray.get(pg.ready(), timeout=POOL_READY_TIMEOUT_S)
+    if rt.placement == "colocated" and world and replicas:
+        pg = _pool("train_pool", rt.train_pool, max(world, replicas),
+                   rt.cpus_per_learner + rt.cpus_per_replica)
         return pg, pg
-    train = placement_group([{"CPU": cfg.runtime.cpus_per_learner}] * world,
-                            strategy="PACK") if world else None
-    rollout = placement_group([{"CPU": cfg.runtime.cpus_per_replica}] * replicas,
-                              strategy="PACK") if replicas else None
-    ray.get([pg.ready() for pg in (train, rollout) if pg is not None],
-            timeout=POOL_READY_TIMEOUT_S)
+    train = _pool("train_pool", rt.train_pool, world, rt.cpus_per_learner) if world else None
+    rollout = (_pool("rollout_pool", rt.rollout_pool, replicas, rt.cpus_per_replica)
+               if replicas else None)
     return train, rollout
+
+
+def _pool(name: str, pool: PoolConfig, bundles: int, cpus: float) -> PlacementGroup:
+    """``bundles`` bundles of ``cpus`` laid out by ``pool``; an error naming the pool when the
+    cluster has no room for it (wrong labels, too few nodes for STRICT_SPREAD)."""
+    pg = placement_group([{"CPU": cpus}] * bundles, strategy=pool.strategy,
+                         bundle_label_selector=[dict(pool.labels)] * bundles
+                         if pool.labels else None)
+    try:
+        ray.get(pg.ready(), timeout=POOL_READY_TIMEOUT_S)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"runtime.{name}: {bundles} bundle(s) of {cpus:g} CPU, strategy={pool.strategy}, "
+            f"labels={dict(pool.labels)} found no room in the Ray cluster within "
+            f"{POOL_READY_TIMEOUT_S} s (nodes: {_nodes()})") from None
+    return pg
+
+
+def _nodes() -> str:
+    """The live nodes, their CPUs and user labels (Ray's own ``ray.io/`` labels left out)."""
+    out = []
+    for node in ray.nodes():
+        if node["Alive"]:
+            labels = {k: v for k, v in node.get("Labels", {}).items()
+                      if not k.startswith("ray.io/")}
+            out.append(f"{node['NodeManagerAddress']} {node['Resources'].get('CPU', 0):g} CPU "
+                       f"labels={labels}")
+    return "; ".join(out)
 
 
 def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:

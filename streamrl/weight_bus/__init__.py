@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from streamrl.net import LOOPBACK
 from streamrl.weight_bus.base import (
     GroupAborted,
     NamedTensors,
@@ -53,9 +54,10 @@ __all__ = [
 def make_publisher(cfg: WeightBusConfig, *, engine: Any = None, **kwargs: Any) -> WeightPublisher:
     """The learner-side bus ``weight_bus.backend`` names.
 
-    ``collective``: binds the control endpoint on ``cfg.master_addr:cfg.master_port`` (receivers
-    connect to ``publisher.endpoint``); NCCL when CUDA is available, else gloo; ``kwargs`` go to
-    ``CollectivePublisher``.
+    ``collective``: binds the control endpoint on ``cfg.master_addr:cfg.master_port`` (loopback
+    when unset; the runtime sets the learner node's IP on a multi-node run); receivers connect
+    to ``publisher.endpoint``, which carries the run token. NCCL when CUDA is available, else
+    gloo; ``kwargs`` go to ``CollectivePublisher``.
     ``colocated``: needs ``engine`` (the engine living in this process).
     """
     if cfg.backend == "collective":
@@ -63,7 +65,7 @@ def make_publisher(cfg: WeightBusConfig, *, engine: Any = None, **kwargs: Any) -
 
         kwargs.setdefault("backend", "nccl" if torch.cuda.is_available() else "gloo")
         return CollectivePublisher(
-            host=cfg.master_addr, port=cfg.master_port, bucket_mb=cfg.bucket_mb,
+            host=cfg.master_addr or LOOPBACK, port=cfg.master_port, bucket_mb=cfg.bucket_mb,
             timeout_s=cfg.timeout_s, **kwargs,
         )
     if cfg.backend == "colocated":

@@ -11,6 +11,10 @@ Parts:
   bounded waits. ``ControlClient`` (receiver): hello, heartbeats, acks, a queue of announcements.
 - ``heartbeat_interval`` / ``dead_after``: both sides derive liveness timing from
   ``weight_bus.timeout_s`` so a dead receiver is named well within one timeout.
+- The run token: the server draws one per run and hands it out inside its endpoint
+  (``tcp://host:port?token=...``, see ``split_endpoint``); every message a receiver sends
+  carries it as its first frame, and the server drops any message without it, so only members
+  of the run join the roster, ack or learn a generation's store namespace.
 
 One ROUTER rather than PUB/SUB: announcements are addressed (each receiver gets its own rank) and
 never lost to the slow-joiner effect. Each side runs one IO thread that alone touches its socket;
@@ -19,9 +23,11 @@ other threads hand it messages through a queue and wake it over an inproc pair.
 
 from __future__ import annotations
 
+import hmac
 import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -31,11 +37,19 @@ from typing import Union
 import msgspec
 import zmq
 
+from streamrl.net import LOOPBACK
 from streamrl.types import WeightManifest
 from streamrl.weight_bus.groups import GroupSpec, WeightBusTimeout
 
 log = logging.getLogger(__name__)
 _wake_ids = itertools.count()
+TOKEN_QUERY = "?token="
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``tcp://host:port?token=T`` -> (``tcp://host:port``, ``T``); no token -> ``""``."""
+    address, _, token = endpoint.partition(TOKEN_QUERY)
+    return address, token
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -176,8 +190,9 @@ class Peer:
 class ControlServer:
     """Learner side: binds a ROUTER, tracks receivers and their acks."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, host: str = LOOPBACK, port: int = 0, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
+        self.token = secrets.token_hex(16)
         self.dead_after_s = dead_after(timeout_s)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -187,7 +202,10 @@ class ControlServer:
             sock.bind(f"tcp://{host}:{port}")
         else:
             port = sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.address = f"tcp://{host}:{port}"
+        self.endpoint = f"{self.address}{TOKEN_QUERY}{self.token}"
+        """What receivers connect to: the address and the run token."""
+        self._strangers = 0
         self.cond = threading.Condition()
         self.peers: dict[str, Peer] = {}
         self.joiners: list[str] = []
@@ -201,7 +219,14 @@ class ControlServer:
 
     # -- incoming -------------------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
-        msg = _to_learner.decode(frames[-1])  # frames[0]: the routing id (= receiver id)
+        # [routing id (= receiver id), run token, message]
+        if len(frames) != 3 or not hmac.compare_digest(frames[1], self.token.encode()):
+            self._strangers += 1
+            if self._strangers in (1, 10, 100) or self._strangers % 1000 == 0:
+                log.warning("weight bus: dropped %d control message(s) without this run's "
+                            "token (a process that is not a member of the run)", self._strangers)
+            return
+        msg = _to_learner.decode(frames[2])
         now = time.monotonic()
         with self.cond:
             peer = self.peers.get(msg.receiver_id)
@@ -353,6 +378,8 @@ class ControlClient:
                  loaded_version: int = -1) -> None:
         self.receiver_id = receiver_id
         self.loaded_version = loaded_version
+        address, token = split_endpoint(endpoint)
+        self._token = token.encode()
         self.announcements: queue.Queue[Announce] = queue.Queue()
         self.welcome: Welcome | None = None
         self.welcomed = threading.Event()
@@ -360,7 +387,7 @@ class ControlClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, receiver_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
+        sock.connect(address)
         self._io = _IOThread(self._ctx, sock, self._handle, self._tick,
                              heartbeat_interval(timeout_s),
                              f"weight-bus-control-{receiver_id}")
@@ -379,7 +406,7 @@ class ControlClient:
         self._send(Heartbeat(receiver_id=self.receiver_id, loaded_version=self.loaded_version))
 
     def _send(self, msg: msgspec.Struct) -> None:
-        self._io.send([_encoder.encode(msg)])
+        self._io.send([self._token, _encoder.encode(msg)])
 
     def ack(self, announce: Announce, stage: str, *, manifest: WeightManifest | None = None,
             error: str = "") -> None:

@@ -31,6 +31,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from streamrl.net import address_towards, is_loopback
 from streamrl.weight_bus.base import GroupAborted, WeightBusTimeout
 
 POLL_S = 0.02
@@ -52,10 +53,14 @@ class GroupSpec(msgspec.Struct, kw_only=True, frozen=True):
     timeout_s: float
     nccl_port: int = 0
     """NCCL only: the port of this generation's StatelessProcessGroup store."""
+    run: str = ""
+    """The run token (``control``): the run's keys live under it, and only members are told
+    it. A namespace, not authentication: the TCPStore admits any process that reaches its
+    port (docs/scale-out.md, Security)."""
 
     @property
     def prefix(self) -> str:
-        return f"streamrl-weight-bus/g{self.generation}/"
+        return f"streamrl-weight-bus/{self.run}/g{self.generation}/"
 
 
 def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -184,9 +189,17 @@ class GlooGroup(WeightGroup):
 
     def __init__(self, spec: GroupSpec, store: dist.Store) -> None:
         super().__init__(spec, store)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", self.store), spec.rank,
-                                        spec.world_size,
-                                        datetime.timedelta(seconds=spec.timeout_s))
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        pg_store = dist.PrefixStore("pg/", self.store)
+        if is_loopback(spec.host):  # single node: gloo's default device
+            self.pg = dist.ProcessGroupGloo(pg_store, spec.rank, spec.world_size, timeout)
+            return
+        # Across nodes, bind on this process's route to the learner: the default device
+        # binds where the hostname resolves, which /etc/hosts often maps to loopback.
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address_towards(spec.host))]
+        opts._timeout = timeout
+        self.pg = dist.ProcessGroupGloo(pg_store, spec.rank, spec.world_size, opts)
 
     @property
     def device(self) -> torch.device:

@@ -22,19 +22,23 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
-from streamrl.net import free_port
+from streamrl.net import LOOPBACK, address_towards, free_port
 from streamrl.weight_bus.collective import CollectiveReceiver
 
 
 class SGLangRelay:  # pragma: no cover - needs CUDA and sglang
     """Rank 0 of a process group shared with one SGLang server (its TP ranks are 1..tp)."""
 
-    def __init__(self, engine: Any, *, tp_size: int = 1, host: str = "127.0.0.1",
+    def __init__(self, engine: Any, *, tp_size: int = 1,
                  group_name: str = "streamrl_weight_relay", timeout_s: float = 60.0) -> None:
-        self.engine, self.tp_size, self.host = engine, tp_size, host
+        # The group binds where the server reaches this process: loopback for the server a
+        # replica launched itself, this node's address on the route to a server elsewhere.
+        self.host = address_towards(urlparse(engine.base_url).hostname or LOOPBACK)
+        self.engine, self.tp_size = engine, tp_size
         self.group_name, self.timeout_s = group_name, timeout_s
         self.group: Any = None
 

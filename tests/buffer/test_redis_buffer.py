@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -204,17 +205,26 @@ def test_streamrl_buffer_stats_cli(redis_url: str, run: str) -> None:
     buf = new_buffer(redis_url, run)
     fill(buf, 3)
     buf.take(2, 0)
+    buf.set_version(1)
+    for holder, version in (("replica-0.0", 0), ("replica-1.3", 1)):
+        assert buf.try_admit(holder)
+        buf.put(make_group(version, holder), holder)
+    # per replica (across its restarts): groups produced and the version of its last one
+    stats = redis.Redis.from_url(redis_url, decode_responses=True).hgetall(f"streamrl:{run}:stats")
+    assert (stats["produced:replica-1"], stats["version:replica-1"]) == ("1", "1")
     done = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", redis_url,
                            "--run", run], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"streamrl buffer  run={run}  {redis_url}"
     rows = {ln.split()[0]: ln.split()[1:] for ln in lines[1:] if ln.strip()}
-    assert rows["learner_version"] == ["0"] and rows["queued"] == ["1"]
-    assert rows["consumed"] == ["2"] and rows["started"] == ["3"]
-    assert rows["admission"][0] == "3/4"
+    assert rows["learner_version"] == ["1"] and rows["queued"] == ["3"]
+    assert rows["consumed"] == ["2"] and rows["started"] == ["5"]
+    assert rows["admission"][0] == "5/6"
+    # which replica is behind: produced, version of its last group, lag behind the learner
+    assert rows["replica-0"] == ["1", "0", "1"] and rows["replica-1"] == ["1", "1", "0"]
     assert rows["consumer_group"] == ["lag", "pending", "consumers", "last_delivered_id"]
-    assert rows["learners"][:3] == ["1", "2", "1"]
+    assert rows["learners"][:3] == ["3", "2", "1"]
     missing = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", redis_url,
                               "--run", "no-such-run"], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "no buffer for run 'no-such-run'" in missing.stderr
@@ -222,6 +232,14 @@ def test_streamrl_buffer_stats_cli(redis_url: str, run: str) -> None:
     down = subprocess.run([str(STREAMRL), "buffer", "stats", "--redis-url", dead_url,
                            "--run", run], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and f"cannot read {dead_url}" in down.stderr
+    watch = subprocess.Popen([str(STREAMRL), "buffer", "stats", "--redis-url", redis_url,
+                              "--run", run, "--watch", "--interval", "0.2"],
+                             stdout=subprocess.PIPE, text=True)
+    time.sleep(5)  # the CLI's start-up, then several refreshes
+    watch.send_signal(signal.SIGINT)
+    frames, _ = watch.communicate(timeout=30)
+    assert watch.returncode == 0
+    assert frames.count(f"streamrl buffer  run={run}") >= 2
     buf.purge()
 
 

@@ -326,3 +326,18 @@ def test_dapo_bad_values_are_one_line(overrides: list[str], message: str):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(["algorithm=dapo", *overrides])
     assert "\n" not in str(info.value)
+
+
+# -- algorithm=remax: its preset and validation (the greedy baseline: test_replica.py) ---------
+
+
+def test_remax_preset_turns_on_the_greedy_baseline():
+    from streamrl.config import ConfigError, load_config
+
+    cfg = load_config(["algorithm=remax"])
+    assert cfg.algorithm.adv_estimator == "remax" and cfg.rollout.greedy_baseline
+    with pytest.raises(ConfigError, match=r"^algorithm.adv_estimator='remax': needs "
+                                          r"rollout.greedy_baseline=true"):
+        load_config(["algorithm.adv_estimator=remax"])
+    with pytest.raises(ConfigError, match=r"^rollout.greedy_baseline=True: is for single-turn"):
+        load_config(["algorithm=remax", "rollout.agent=relay"])

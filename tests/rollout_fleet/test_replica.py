@@ -124,6 +124,32 @@ def test_real_reward_pool_scores_groups(engine, loop, tokenizer):
         assert t.reward == pytest.approx(toy_reward("rep", text, t.ground_truth, 8))
 
 
+def test_remax_groups_carry_the_reward_of_a_greedy_response(engine, loop, tokenizer):
+    from streamrl.rollout_fleet.engine import SamplingParams
+
+    rollout = RolloutConfig(n=2, max_new_tokens=8, max_inflight_groups=2, greedy_baseline=True)
+    buffer = ListBuffer(capacity=4)
+    replica = Replica(engine, buffer, toy_stream(tokenizer), ToyScorer(), tokenizer, rollout)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=8)
+
+    async def scenario():
+        replica.start()
+        await wait_until(lambda: len(buffer.groups) == 4, what="4 groups")
+        await replica.stop()
+        expected = []
+        for group in buffer.groups:
+            prompt = group.trajectories[0]
+            [c] = await engine.generate(prompt.prompt_ids, greedy, f"check-{group.group_id}")
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            expected.append(toy_reward("rep", text, prompt.ground_truth, 8))
+        return expected
+
+    expected = loop.run_until_complete(scenario())
+    assert [g.baseline_reward for g in buffer.groups] == expected
+    assert all(len(g.trajectories) == 2 for g in buffer.groups)  # the greedy one is not trained
+    assert replica.metrics()["trajectories"] == 8
+
+
 def test_failures_are_counted_and_never_stop_the_replica(engine, loop, tokenizer):
     rollout = RolloutConfig(n=2, max_new_tokens=4, max_inflight_groups=1, max_retries=1)
     buffer = ListBuffer(capacity=3)

@@ -188,3 +188,25 @@ def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_wo
     unstuck.set()  # the engine recovers: its next ack readmits it, the catch-up serves v3
     assert fleet.wait_loaded("stuck", 3, timeout=3 * TIMEOUT_S) == digest(v3.items())
     assert fleet.wait_loaded("stuck", 1) == digest(v1.items()) and 2 not in fleet.loaded["stuck"]
+
+
+def test_control_channel_admits_only_the_run_token(publisher: CollectivePublisher) -> None:
+    """A process that reaches the control port without this run's token is dropped unheard:
+    no welcome, not in the roster. The token rides in the endpoint the runtime hands out."""
+    from streamrl.weight_bus.control import TOKEN_QUERY, ControlClient, split_endpoint
+
+    address, token = split_endpoint(publisher.endpoint)
+    assert address.startswith("tcp://127.0.0.1:") and len(token) == 32
+    clients = [ControlClient(address, "no-token", timeout_s=TIMEOUT_S),
+               ControlClient(f"{address}{TOKEN_QUERY}{'0' * 32}", "wrong-token",
+                             timeout_s=TIMEOUT_S),
+               ControlClient(publisher.endpoint, "member", timeout_s=TIMEOUT_S)]
+    try:
+        assert clients[2].welcomed.wait(TIMEOUT_S)
+        # two hellos and a heartbeat from each stranger: heard and dropped
+        assert publisher.control.wait_for(lambda: publisher.control._strangers >= 4, TIMEOUT_S)
+        assert not clients[0].welcomed.is_set() and not clients[1].welcomed.is_set()
+        assert publisher.control.live() == ["member"]
+    finally:
+        for client in clients:
+            client.close()

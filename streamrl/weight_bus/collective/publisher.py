@@ -24,7 +24,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from streamrl.net import free_port
+from streamrl.net import LOOPBACK, free_port
 from streamrl.types import BucketSpec
 from streamrl.weight_bus.base import (
     NamedTensors,
@@ -56,7 +56,7 @@ class CollectivePublisher(WeightPublisher):
     def __init__(
         self,
         *,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 0,
         bucket_mb: float = 64,
         timeout_s: float = 60.0,
@@ -100,7 +100,8 @@ class CollectivePublisher(WeightPublisher):
         if not self.control.wait_for(lambda: len(self.control.live()) >= n,
                                      timeout or self.timeout_s):
             raise WeightBusError(f"weight bus: only {self.control.live()} of {n} receivers "
-                                 f"joined {self.endpoint} within {timeout or self.timeout_s} s")
+                                 f"joined {self.control.address} within "
+                                 f"{timeout or self.timeout_s} s")
         return self.control.live()
 
     def wait_loaded(self, version: int, timeout: float | None = None) -> dict[str, int]:
@@ -205,7 +206,8 @@ class CollectivePublisher(WeightPublisher):
         nccl_port = free_port(self.host) if self.backend == "nccl" else 0
         return GroupSpec(generation=self._generation, backend=self.backend, host=self.host,
                          store_port=self._store.port, world_size=world_size, rank=0,
-                         timeout_s=self.timeout_s, nccl_port=nccl_port)
+                         timeout_s=self.timeout_s, nccl_port=nccl_port,
+                         run=self.control.token)
 
     def _open_generation(self, targets: tuple[str, ...], version: int, publish_id: str,
                          check: Check) -> WeightGroup:
