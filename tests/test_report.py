@@ -1,9 +1,10 @@
 """``streamrl report`` on recorded runs: PNGs, the summary's numbers, torn and resumed logs.
 
-The fixtures under ``tests/data/recorded/`` are real recordings of
-``tests/test_e2e_agent.py::test_agent_learns_to_condition_on_observations`` (sync and
-fully_async, 50 steps each), cut down to the metrics the report reads; they predate
-``time/elapsed_s`` and the idle ratios, so they also cover runs that lack them.
+The fixtures under ``tests/data/recorded/`` are real recordings, cut down to the metrics the
+report reads: ``agent_sync`` and ``agent_fully_async`` (50 steps each) of
+``tests/test_e2e_agent.py::test_agent_learns_to_condition_on_observations``, from before
+``time/elapsed_s``, the idle ratios and verl's metric names (``timing/step``,
+``throughput/tokens_per_s``); ``default`` is the first 80 steps of a default ``streamrl train``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ def test_runs_side_by_side_go_to_report_dir(tmp_path: Path, monkeypatch: pytest.
     assert main(["report", str(RUNS / "agent_sync"), "--out", str(single)]) == 0
     assert (out / "reward.png").stat().st_size > (single / "reward.png").stat().st_size
     assert not (RUNS / "agent_sync" / "summary.md").exists()  # --out kept the fixture clean
+
+
+def test_a_run_with_idle_ratios_and_elapsed_time(tmp_path: Path) -> None:
+    assert main(["report", str(RUNS / "default"), "--out", str(tmp_path)]) == 0
+    for name in (*FIGURES, "idle"):
+        _assert_png(tmp_path / f"{name}.png")
+    table = _table((tmp_path / "summary.md").read_text())
+    # By hand: steps 64-68 average 0.5002 (63-67: 0.4664); step 68's time/elapsed_s is
+    # 30.39 s (its step times sum to only 29.99 s: startup is in the elapsed clock).
+    assert table["rolling reward ≥ 0.5 at"] == ["30.4 s (step 68)"]
+    assert table["rolling reward ≥ 0.9 at"] == ["not reached"]
+    assert table["wall time"] == ["35.4 s"]
+    assert table["mean staleness (tokens)"] == ["0.99"]
+    assert table["mean trainer idle ratio"] == ["0.02"]
+    assert table["mean rollouter idle ratio"] == ["0.37"]  # steps 2-80: step 1 has no window
 
 
 def test_a_torn_last_line_is_skipped_and_counted(tmp_path: Path) -> None:
