@@ -33,6 +33,12 @@ their id; they never reach, nor crash, the learner. Decoding is msgspec, never p
 
 Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, which would make
 XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
+
+Round trips (tests/buffer/test_redis_buffer.py counts them): ``try_admit``, ``put``,
+``cancel_admission``, ``set_version`` and ``ack`` (XACK and trim) are one script each; a
+``take`` of ready entries is one XREADGROUP COUNT n plus the counting script, and also publishes
+its learner version first when it is newer than the one this buffer stored, and polls XAUTOCLAIM
+at most once a second.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -103,6 +109,19 @@ def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+class _Entry(NamedTuple):
+    """A decoded stream entry the learner holds or has returned."""
+
+    eid: bytes
+    group: Group
+    oldest: int | None
+    """``group.min_version``, read from the entry's field: PUT wrote it from the same group in
+    the same XADD, and scanning every token's version again costs more than the decode."""
+
+    def staleness(self, learner_version: int) -> int:
+        return 0 if self.oldest is None else learner_version - self.oldest
+
+
 class RedisBuffer(ReplayBuffer):
     """``ReplayBuffer`` over one Redis stream + consumer group (see the module docstring).
 
@@ -144,11 +163,15 @@ class RedisBuffer(ReplayBuffer):
         self._discard, self._ack, self._rebase = s(lua.DISCARD), s(lua.ACK), s(lua.REBASE)
         self._lock = threading.Lock()  # learner-side state below
         self._skip: set[str] = set(skip_ids)
-        self._held: list[tuple[bytes, Group]] = []  # read, fresh, not yet returned
+        self._held: list[_Entry] = []  # read, fresh, not yet returned
         self._outstanding: dict[str, bytes] = {}  # group_id -> entry id: returned, not acked
         self._recover_from: bytes | None = b"0"  # read own pending entries first (crash restart)
         self._claim_from: bytes = b"0-0"
         self._next_claim = 0.0
+        # Highest learner version this buffer has stored: take publishes only a newer one, so a
+        # step's take slices cost no SET_VERSION round trip (stored versions only rise, except
+        # by rebase and purge, which reset this).
+        self._published = -1
         self._init_keys()
 
     def __reduce__(self) -> tuple[type[RedisBuffer], tuple[Any, ...]]:
@@ -210,19 +233,18 @@ class RedisBuffer(ReplayBuffer):
             raise ValueError(f"take: n={n} must be > 0")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            self._set_version(keys=[self.keys.stats], args=[learner_version, 0])
+            if learner_version > self._published:  # before waiting: it opens admission
+                self._publish(learner_version, strict=False)
             while True:
-                self._held = [
-                    (eid, g) for eid, g in self._held if self._keep(eid, g, learner_version)
-                ]
+                self._held = [e for e in self._held if self._keep(e, learner_version)]
                 if len(self._held) >= n:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 block = _POLL_MS if remaining is None else min(_POLL_MS, int(remaining * 1000))
                 for eid, fields in self._read(n - len(self._held), block if block > 0 else None):
-                    group = self._admit_entry(eid, fields)
-                    if group is not None and self._keep(eid, group, learner_version):
-                        self._held.append((eid, group))
+                    entry = self._admit_entry(eid, fields)
+                    if entry is not None and self._keep(entry, learner_version):
+                        self._held.append(entry)
                 if len(self._held) >= n:
                     break
                 if deadline is not None and time.monotonic() >= deadline:
@@ -232,16 +254,17 @@ class RedisBuffer(ReplayBuffer):
                     )
             batch, self._held = self._held[:n], self._held[n:]
             args: list[Any] = [learner_version]
-            for eid, group in batch:
-                args += [eid, group.staleness(learner_version)]
-                self._outstanding[group.group_id] = eid
+            for entry in batch:
+                args += [entry.eid, entry.staleness(learner_version)]
+                self._outstanding[entry.group.group_id] = entry.eid
             self._consume(keys=[self.keys.stats, self.keys.queued, self.keys.taken], args=args)
-        batch.sort(key=lambda item: (_oldest(item[1]), item[0]))
-        return [group for _, group in batch]
+            self._published = max(self._published, learner_version)  # CONSUME raised it too
+        batch.sort(key=lambda e: (sys.maxsize if e.oldest is None else e.oldest, e.eid))
+        return [entry.group for entry in batch]
 
     def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, dict]]:
         """Next entries for this consumer: own pending after a restart, claims, then new ones."""
-        known = set(self._outstanding.values()) | {eid for eid, _ in self._held}
+        known = set(self._outstanding.values()) | {entry.eid for entry in self._held}
         while self._recover_from is not None:
             raw = self._xreadgroup(self._recover_from, count, None)
             self._recover_from = raw[-1][0] if raw else None
@@ -269,8 +292,8 @@ class RedisBuffer(ReplayBuffer):
         )
         return list(reply[0][1]) if reply else []
 
-    def _admit_entry(self, eid: bytes, fields: dict | None) -> Group | None:
-        """Decode one entry; skipped or malformed entries are acked here and yield None."""
+    def _admit_entry(self, eid: bytes, fields: dict | None) -> _Entry | None:
+        """Decode one entry (once); skipped or malformed entries are acked here and yield None."""
         gid = _s(fields.get(b"group_id", b"")) if fields else ""
         if gid and gid in self._skip:
             self._discard_entry(eid, "skipped", "already trained (skip_ids)")
@@ -290,13 +313,18 @@ class RedisBuffer(ReplayBuffer):
         if group.group_id != gid:
             self._discard_entry(eid, "malformed", f"group_id field {gid!r} != {group.group_id!r}")
             return None
-        return group
+        try:
+            oldest: int | None = int(fields[b"min_version"])
+        except (KeyError, ValueError):  # an entry that bypassed PUT: read it from the tokens
+            oldest = group.min_version
+        return _Entry(eid, group, None if oldest == -1 else oldest)
 
-    def _keep(self, eid: bytes, group: Group, learner_version: int) -> bool:
-        if self.admission.is_fresh(group, learner_version):
+    def _keep(self, entry: _Entry, learner_version: int) -> bool:
+        staleness = entry.staleness(learner_version)
+        if staleness <= self.admission.max_staleness:  # Admission.is_fresh, on the stored field
             return True
-        reason = f"staleness {group.staleness(learner_version)} > {self.admission.max_staleness}"
-        self._discard_entry(eid, "dropped", reason)
+        reason = f"staleness {staleness} > {self.admission.max_staleness}"
+        self._discard_entry(entry.eid, "dropped", reason)
         return False
 
     def _discard_entry(self, eid: bytes, kind: str, reason: str) -> None:
@@ -317,27 +345,18 @@ class RedisBuffer(ReplayBuffer):
             eids = [self._outstanding.pop(gid) for gid in group_ids]
             if eids:
                 self._ack(keys=[self.keys.stats, self.keys.taken, self.keys.groups],
-                          args=[CONSUMER_GROUP, *eids])
-                if self.trim_acked:
-                    self._trim()
-
-    def _trim(self) -> None:
-        # Everything before the oldest pending entry (or after the last delivered one) is acked.
-        summary = self._r.xpending(self.keys.groups, CONSUMER_GROUP)
-        if summary["pending"]:
-            minid = summary["min"]
-        else:
-            group = _group_info(self._r, self.keys.groups)
-            ms, seq = _s(group["last-delivered-id"]).split("-")
-            minid = f"{ms}-{int(seq) + 1}"
-        self._r.xtrim(self.keys.groups, minid=minid, approximate=False)
+                          args=[CONSUMER_GROUP, int(self.trim_acked), *eids])
 
     @_outage_is_fatal
     def set_version(self, learner_version: int) -> None:
         try:
-            self._set_version(keys=[self.keys.stats], args=[learner_version, 1])
+            self._publish(learner_version, strict=True)
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
+
+    def _publish(self, learner_version: int, strict: bool) -> None:
+        stored = self._set_version(keys=[self.keys.stats], args=[learner_version, int(strict)])
+        self._published = max(self._published, int(stored))
 
     @_outage_is_fatal
     def rebase(
@@ -373,6 +392,7 @@ class RedisBuffer(ReplayBuffer):
                 start = got[-1][0]
             self._held, self._outstanding = [], {}
             self._recover_from, self._claim_from = b"0", b"0-0"
+            self._published = learner_version
             b, eta = self.admission.groups_per_step, self.admission.max_staleness
             self._rebase(
                 keys=[self.keys.stats, self.keys.queued, self.keys.taken, self.keys.holders],
@@ -412,6 +432,7 @@ class RedisBuffer(ReplayBuffer):
         """Delete every key of this run (tests, benchmarks, starting a run name afresh)."""
         k = self.keys
         self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken, k.holders)
+        self._published = -1
 
     def close(self) -> None:
         self._r.close()
@@ -441,18 +462,6 @@ def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
     return redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff, retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-
-
-def _oldest(group: Group) -> int:
-    oldest = group.min_version
-    return sys.maxsize if oldest is None else oldest
-
-
-def _group_info(client: redis.Redis, stream: str) -> dict:
-    for info in client.xinfo_groups(stream):
-        if _s(info["name"]) == CONSUMER_GROUP:
-            return info
-    raise RuntimeError(f"{stream}: consumer group {CONSUMER_GROUP!r} is missing")
 
 
 # --- `streamrl buffer stats` -------------------------------------------------------------------

@@ -199,13 +199,32 @@ touch(h)
 return 1
 """
 
-# Ack trained entries (XACK) and forget them as taken.
-# KEYS: stats taken groups; ARGV: consumer_group, entry ids... Returns how many were acked.
+# Ack trained entries (XACK), forget them as taken and, when asked, trim every acked entry from
+# the head of the stream (XTRIM MINID, never XDEL: XINFO's lag stays known), all in one round
+# trip. Everything before the oldest pending entry is acked; with none pending, everything up to
+# the group's last delivered entry is.
+# KEYS: stats taken groups; ARGV: consumer_group trim ('1': trim) entry ids...
+# Returns how many entries were acked.
 ACK = _HELPERS + """
 local n = 0
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   n = n + redis.call('XACK', KEYS[3], ARGV[1], ARGV[i])
   redis.call('SREM', KEYS[2], ARGV[i])
+end
+if ARGV[2] == '1' then
+  local pending = redis.call('XPENDING', KEYS[3], ARGV[1])
+  local minid = pending[2]
+  if pending[1] == 0 then
+    for _, info in ipairs(redis.call('XINFO', 'GROUPS', KEYS[3])) do
+      local f = {}
+      for j = 1, #info, 2 do f[info[j]] = info[j + 1] end
+      if f['name'] == ARGV[1] then
+        local ms, seq = string.match(f['last-delivered-id'], '^(%d+)-(%d+)$')
+        minid = ms .. '-' .. string.format('%d', tonumber(seq) + 1)
+      end
+    end
+  end
+  if minid then redis.call('XTRIM', KEYS[3], 'MINID', minid) end
 end
 touch(KEYS[1])
 return n

@@ -1,5 +1,6 @@
 """RedisBuffer against a real redis-server: round trip, what a user sees with redis-cli and
-`streamrl buffer stats`, crash re-delivery, skip_ids, malformed entries, rebase, trimming."""
+`streamrl buffer stats`, crash re-delivery, skip_ids, malformed entries, rebase, trimming, and
+how many round trips each call costs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -56,6 +57,69 @@ def fill(buf: RedisBuffer, n: int, version: int = 0) -> list[str]:
 def group_info(client: redis.Redis, run: str) -> dict:
     (info,) = client.xinfo_groups(f"streamrl:{run}:groups")
     return info
+
+
+def command_names(packed: bytes) -> list[str]:
+    """The name of each command in a packed RESP request (a pipeline packs several)."""
+    names, at = [], 0
+    while at < len(packed):
+        end = packed.index(b"\r\n", at)
+        count, at = int(packed[at + 1:end]), end + 2  # *<count>, then <count> bulk strings
+        for i in range(count):
+            end = packed.index(b"\r\n", at)
+            size, at = int(packed[at + 1:end]), end + 2  # $<size>
+            if i == 0:
+                names.append(packed[at:at + size].decode().upper())
+            at += size + 2
+    return names
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> Callable[[Callable[[], object]], list[list[str]]]:
+    """``sent(call)``: the round trips ``call`` made, each the command names it carried (a
+    pipeline's commands travel in one; a script is one EVALSHA, whatever it runs inside)."""
+    trips: list[list[str]] = []
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self: redis.connection.AbstractConnection, command: object,
+                 *args: object, **kwargs: object) -> None:
+        chunks = [command] if isinstance(command, (bytes, str)) else command
+        trips.append(command_names(b"".join(
+            c.encode() if isinstance(c, str) else bytes(c) for c in chunks)))
+        send(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+
+    def record(call: Callable[[], object]) -> list[list[str]]:
+        trips.clear()
+        call()
+        return list(trips)
+    return record
+
+
+def test_round_trips_per_group_and_per_step(
+        redis_url: str, run: str, sent: Callable[[Callable[[], object]], list[list[str]]]) -> None:
+    buf = new_buffer(redis_url, run, groups_per_step=2, max_staleness=3)
+    fill(buf, 2)
+    buf.ack([g.group_id for g in buf.take(2, 0)])  # scripts loaded, own pending entries read
+    assert buf.try_admit()
+    # per group: admission, then (after sampling) the put: one script each
+    assert sent(buf.try_admit) == [["EVALSHA"]]
+    assert sent(lambda: buf.put(make_group(0, "p0"))) == [["EVALSHA"]]
+    buf.put(make_group(0, "p1"))
+    # per step: one XREADGROUP for the batch, one script counting it, one acking and trimming
+    # (XAUTOCLAIM polls for a vanished learner's entries at most once a second, not per step)
+    taken: list = []
+    trips = [t for t in sent(lambda: taken.extend(buf.take(2, 0))) if t != ["XAUTOCLAIM"]]
+    assert trips == [["XREADGROUP"], ["EVALSHA"]]
+    assert sent(lambda: buf.ack([g.group_id for g in taken])) == [["EVALSHA"]]
+    assert buf._r.xlen(buf.keys.groups) == 0  # trimmed in the same script
+    # a new learner version is published before take waits: it opens admission
+    with pytest.raises(TimeoutError):
+        buf.take(1, 2, timeout=0)
+    assert buf.stats().learner_version == 2
+    assert sent(lambda: buf.set_version(2)) == [["EVALSHA"]]
+    buf.purge()
 
 
 def test_round_trip_and_blocking_take(redis_url: str, run: str) -> None:
