@@ -128,14 +128,87 @@ class RolloutConfig:
     ``algorithm=remax`` turns it on."""
 
 
+REWARD_KINDS = ("rule", "model", "judge", "custom")
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the response to the task below.\n\nTask:\n{prompt}\n\nReference answer:\n"
+    "{ground_truth}\n\nResponse:\n{response}\n\nHow good is the response, from 0 (wrong) to "
+    "1 (fully correct)? End your answer with \"Score: <number>\"."
+)
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """A discriminative reward model (``reward.kind`` has ``model``; verl: ``reward_model``): an
+    HF sequence-classification checkpoint with one label, its logit the reward. It runs in one
+    Ray actor per run; calls arriving within ``batch_wait_s`` share a forward pass."""
+
+    path: str | None = None
+    """HF checkpoint directory (AutoModelForSequenceClassification, num_labels=1), or ``tiny``
+    (the offline tiny reward model, which rewards the digit 3; for tests and examples)."""
+    tokenizer_path: str | None = None
+    micro_batch_size: int = 8
+    """Most texts per forward (verl: reward_model.micro_batch_size_per_gpu)."""
+    batch_wait_s: float = 0.005
+    """How long a forward waits for more calls after the first arrives (0: no wait)."""
+    max_length: int = 1024
+    """Tokens per scored text; longer texts lose their beginning (the head reads the end)."""
+    apply_chat_template: bool = True
+    """Render [prompt messages + assistant response] with the RM tokenizer's chat template
+    (where it has one); else score the plain prompt text + response."""
+    dtype: str = "float32"
+    device: str = "auto"
+    """auto (cuda when the actor has a GPU) | cpu | cuda"""
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    timeout_s: float = 60.0
+    """A call without a score after this long scores 0 (counted as a timeout)."""
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    """An LLM judge (``reward.kind`` has ``judge``): a rollout engine in one Ray actor per run
+    answers ``prompt_template`` filled in; the answer's score in [0, 1] or verdict is the reward
+    (``Score: 0.8``; else an answer that starts with a number; else its last verdict word,
+    correct/yes/... -> 1, incorrect/no/... -> 0). An answer without one scores 0 (counted)."""
+
+    model_path: str | None = None
+    backend: str = "vllm"
+    """vllm | hf"""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """Placeholders: {prompt} {response} {ground_truth} (other braces are kept as written)."""
+    apply_chat_template: bool = True
+    """Send the filled-in template as one user message through the judge's chat template."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.3
+    max_concurrency: int = 16
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    timeout_s: float = 120.0
+
+
 @dataclass(frozen=True)
 class RewardConfig:
+    kind: Any = "rule"
+    """rule | model | judge | custom, or a list of them (``[rule,model]``) whose rewards are
+    added with ``weights``. rule: the scorer ``name`` picks; custom: ``custom_path``'s
+    function; model: ``reward.model``; judge: ``reward.judge``."""
+    weights: tuple[float, ...] = ()
+    """One weight per kind, in order; empty: every weight 1.0."""
     name: str = "auto"
     """auto (by data_source) | toy | gsm8k | math_verify | reasoning_gym | custom"""
     custom_path: str | None = None
     custom_name: str = "compute_score"
     timeout_s: float = 10.0
     num_workers: int = 1
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.kind) if isinstance(self.kind, (tuple, list)) else (self.kind,)
 
 
 @dataclass(frozen=True)
@@ -578,8 +651,7 @@ def validate(cfg: Config) -> Config:
               "is not supported by streamrl train yet (learner ranks and engines are separate "
               "Ray actors): use weight_bus.backend=collective, with runtime.placement=colocated "
               "to share devices")
-    if cfg.reward.name == "custom" and not cfg.reward.custom_path:
-        _fail("reward.custom_path", cfg.reward.custom_path, "is required with reward.name=custom")
+    _check_reward(cfg)
     if cfg.task.source == "parquet" and not cfg.task.train_files:
         _fail("task.train_files", cfg.task.train_files, "is required with task.source=parquet")
     if cfg.trainer.resume not in ("disable", "auto") and not Path(cfg.trainer.resume).exists():
@@ -612,6 +684,53 @@ def _check_mode(cfg: Config) -> None:
               f"must be <= buffer.max_staleness + 1 = {eta + 1} with trainer.mode={mode!r}: "
               f"replicas would sample with weights up to {cfg.weight_bus.sync_every - 1} "
               f"versions old, past the staleness bound {eta}, so no group could ever be taken")
+
+
+def _check_reward(cfg: Config) -> None:
+    """``reward.kind`` (one kind or a list, no repeats), one finite weight per kind, and the
+    keys each kind needs."""
+    r = cfg.reward
+    kinds = r.kinds
+    if not kinds or len(set(kinds)) != len(kinds):
+        _fail("reward.kind", r.kind, f"must be one of {list(REWARD_KINDS)} or a list of "
+              "different ones, e.g. [rule,model]")
+    for kind in kinds:
+        _check_choice("reward.kind", kind, REWARD_KINDS)
+    if r.weights and len(r.weights) != len(kinds):
+        _fail("reward.weights", r.weights, f"needs one weight per reward.kind {list(kinds)}")
+    if not all(math.isfinite(w) for w in r.weights):
+        _fail("reward.weights", r.weights, "must be finite numbers")
+    if (r.name == "custom" or "custom" in kinds) and not r.custom_path:
+        _fail("reward.custom_path", r.custom_path, "is required with reward.name=custom or "
+              "reward.kind=custom")
+    if r.name == "custom" and {"rule", "custom"} <= set(kinds):
+        _fail("reward.name", r.name, "with reward.kind=[rule,custom] the rule part must be a "
+              "built-in scorer: set reward.name=auto (or a scorer name)")
+    if "model" in kinds:
+        if not r.model.path:
+            _fail("reward.model.path", r.model.path, "is required with reward.kind=model")
+        _check_positive(cfg, ["reward.model.micro_batch_size", "reward.model.max_length",
+                              "reward.model.timeout_s"])
+        _check_positive(cfg, ["reward.model.batch_wait_s", "reward.model.num_cpus",
+                              "reward.model.num_gpus"], allow_zero=True)
+        _check_choice("reward.model.dtype", r.model.dtype, ("float32", "bfloat16", "float16"))
+        _check_choice("reward.model.device", r.model.device, ("auto", "cpu", "cuda"))
+    if "judge" in kinds:
+        if not r.judge.model_path:
+            _fail("reward.judge.model_path", r.judge.model_path,
+                  "is required with reward.kind=judge")
+        _check_choice("reward.judge.backend", r.judge.backend, ("vllm", "hf"))
+        if "{response}" not in r.judge.prompt_template:
+            _fail("reward.judge.prompt_template", r.judge.prompt_template,
+                  "must contain {response} (and usually {prompt}, {ground_truth})")
+        _check_positive(cfg, ["reward.judge.max_new_tokens", "reward.judge.max_model_len",
+                              "reward.judge.max_concurrency", "reward.judge.timeout_s"])
+        _check_positive(cfg, ["reward.judge.temperature", "reward.judge.num_cpus",
+                              "reward.judge.num_gpus"], allow_zero=True)
+        _check_choice("reward.judge.dtype", r.judge.dtype, ("float32", "bfloat16", "float16"))
+        if not 0.0 < r.judge.gpu_memory_utilization <= 1.0:
+            _fail("reward.judge.gpu_memory_utilization", r.judge.gpu_memory_utilization,
+                  "must be in (0, 1]")
 
 
 def _check_remax(cfg: Config) -> None:

@@ -81,6 +81,10 @@ VERL_ALIASES: dict[str, str] = {
     "data.shuffle": "task.shuffle",
     "custom_reward_function.path": "reward.custom_path",
     "custom_reward_function.name": "reward.custom_name",
+    # verl's reward model: turning it on replaces the rule reward
+    "reward_model.enable": "reward.kind",
+    "reward_model.model.path": "reward.model.path",
+    "reward_model.micro_batch_size_per_gpu": "reward.model.micro_batch_size",
     "trainer.total_epochs": "trainer.total_epochs",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.test_freq": "trainer.test_freq",
@@ -100,6 +104,7 @@ VERL_VALUES: dict[str, dict[str, str]] = {
     "algorithm.rollout_correction.rollout_is": {"token": "token", "sequence": "sequence"},
     "algorithm.rollout_correction.bypass_mode": {"true": "false", "false": "true"},
     "algorithm.rollout_correction.loss_type": {"ppo_clip": "vanilla", "reinforce": "reinforce"},
+    "reward_model.enable": {"true": "model", "false": "rule"},
 }
 
 # Keys that existed under another name: using the old one fails with where it went.

@@ -156,6 +156,14 @@ def test_verl_rollout_correction_and_critic_aliases() -> None:
     assert decoupled.actor.rollout_rs_threshold == "0.5_2,0.1"
 
 
+def test_verl_reward_model_aliases() -> None:
+    cfg = load_config(["reward_model.enable=True", "reward_model.model.path=tiny",
+                       "reward_model.micro_batch_size_per_gpu=4"])
+    assert cfg.reward.kinds == ("model",) and cfg.reward.model.path == "tiny"
+    assert cfg.reward.model.micro_batch_size == 4
+    assert load_config(["reward_model.enable=false"]).reward.kinds == ("rule",)
+
+
 @pytest.mark.parametrize(("override", "pattern"), [
     ("algorithm.rollout_correction.bypass_mode=maybe",
      r"bypass_mode='maybe': must be one of \('true', 'false'\) "

@@ -80,6 +80,7 @@ from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import UPDATE_POLICIES, RolloutConfig
 from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
+from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
 from streamrl.types import Group, Trajectory, new_uid
 
 logger = logging.getLogger(__name__)
@@ -538,8 +539,10 @@ class Replica:
         """The shaped reward of one completion and its timing metrics; a scorer that raises
         or returns a non-finite value scores 0 (counted)."""
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        # rep-style rewards count over the token budget; prompt fields take precedence.
-        extra_info = {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra}
+        # rep-style rewards count over the token budget; prompt fields take precedence; reward
+        # models and judges read the prompt too.
+        extra_info = {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra,
+                      PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
         start = time.perf_counter()
         try:
             reward = float(await self.scorer.score(prompt.data_source, text, prompt.ground_truth,

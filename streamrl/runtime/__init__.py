@@ -33,6 +33,7 @@ from streamrl.config import Config, replace
 from streamrl.logs import CPU_MODE_NOTE
 from streamrl.models import resolve_model_path
 from streamrl.rollout_fleet import load_user_code
+from streamrl.rollout_fleet.rewards import start_reward_servers
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
 from streamrl.runtime.supervisor import Member, Supervisor, holder_name, shut_down
@@ -86,6 +87,9 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             buffer = RemoteBuffer(buffer_actor)
         else:
             buffer = redis_buffer  # every process connects to the same Redis run
+        # Reward models and judges: one actor each, shared by every replica (and re-creation).
+        reward_servers = start_reward_servers(cfg.reward)
+        actors.extend(reward_servers.values())
 
         learner_group: LearnerGroup | None = None
         endpoint: str | None = None
@@ -111,7 +115,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             assert rollout_pg is not None
             return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
                 scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
-            ).remote(cfg, index, buffer, endpoint, holder)
+            ).remote(cfg, index, buffer, endpoint, holder, reward_servers)
 
         num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
         fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],

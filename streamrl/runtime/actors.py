@@ -141,14 +141,17 @@ class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
     def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer,
-                 bus_endpoint: str | None, holder: str | None = None) -> None:
+                 bus_endpoint: str | None, holder: str | None = None,
+                 reward_servers: dict[str, Any] | None = None) -> None:
         """``holder``: the name this incarnation's admissions are counted under, so its
-        supervisor can give them back if it dies (``runtime.supervisor``)."""
+        supervisor can give them back if it dies (``runtime.supervisor``).
+        ``reward_servers``: the run's reward-model / judge actors (``start_reward_servers``)."""
         self.cfg = cfg
         self.model_path = cfg.model.path
         self.index = index
         self.buffer = HeldBuffer(buffer, holder or holder_name(index, 0))
         self.bus_endpoint = bus_endpoint
+        self.reward_servers = reward_servers or {}
         self.replica: Any = None
         self.receiver: Any = None
 
@@ -166,7 +169,7 @@ class ReplicaActor:
             pin_to_core(cfg.learner.world_size + self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = make_engine(cfg.rollout, self.model_path, self.tokenizer)
-        self.scorer = make_reward_scorer(cfg.reward)
+        self.scorer = make_reward_scorer(cfg.reward, self.reward_servers)
         self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
         self.prompts = self._prompt_stream(cursor=0)
@@ -247,6 +250,7 @@ class ReplicaActor:
         """Greedy answers (or greedy agent episodes) to every validation prompt, scored: mean
         reward and length."""
         from streamrl.rollout_fleet.engine import SamplingParams
+        from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
 
         if self.replica.agent is not None:
             from streamrl.rollout_fleet.agent import validate_episodes
@@ -262,7 +266,8 @@ class ReplicaActor:
             prompt = self.val_source[i]
             [completion] = await self.engine.generate(prompt.prompt_ids, params, f"val-{i}")
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            extra = {"max_new_tokens": params.max_tokens, **prompt.extra}
+            extra = {"max_new_tokens": params.max_tokens, **prompt.extra,
+                     PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
             reward = await self.scorer.score(prompt.data_source, text, prompt.ground_truth, extra)
             return reward, len(completion.token_ids)
 

@@ -224,6 +224,3 @@ class RewardScorer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def make_reward_scorer(cfg: RewardConfig) -> RewardScorer:
-    return RewardScorer(cfg)
