@@ -89,9 +89,9 @@ logger = logging.getLogger(__name__)
 EQUAL_REWARDS_TOL = 1e-6
 """Dynamic sampling treats a group whose rewards spread no more than this as all equal."""
 FILTERED_STREAK_WARNING = 100
+"""A replica logs a warning after each run of this many consecutive filtered groups."""
 MAX_SPANS = 100_000
 """Trace spans a replica keeps between two drains (the controller drains every step)."""
-"""A replica logs a warning after each run of this many consecutive filtered groups."""
 
 
 async def _all(*aws: Awaitable[Any]) -> list[Any]:
