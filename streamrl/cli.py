@@ -1,4 +1,5 @@
-"""Command line: ``streamrl train | serve | report | buffer stats | data tiny-model | config``.
+"""Command line: ``streamrl train | sft | serve | report | buffer stats | data tiny-model |
+data sft-toy | config``.
 
 ``streamrl train [key=value ...]`` takes Hydra overrides, native (``rollout.n=4``,
 ``trainer.mode=sync``) or verl-style (``actor_rollout_ref.rollout.n=4``).
@@ -35,6 +36,16 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from streamrl import logs
+    from streamrl.sft import load_sft_config, run_sft
+
+    cfg = load_sft_config(args.overrides)  # before the heavy imports: a bad override fails at once
+    logs.configure("debug" if args.verbose else "info")
+    print(run_sft(cfg))
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -60,6 +71,13 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
     path = build_tiny_model(args.out, seed=args.seed)
     print(path)
+    return 0
+
+
+def _sft_toy(args: argparse.Namespace) -> int:
+    from streamrl.data.sft_toy import write_toy_sft
+
+    print(write_toy_sft(args.out, task=args.task, size=args.size, seed=args.seed))
     return 0
 
 
@@ -109,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show every engine and library message (trainer.log_level=debug)")
     serve.set_defaults(func=_serve)
 
+    sft = sub.add_parser(
+        "sft", help="supervised fine-tuning on chat parquet (a warm start for `train`)")
+    sft.add_argument("overrides", nargs="*", help="key=value (data.train_files=[a.parquet] ...)")
+    sft.add_argument("-v", "--verbose", action="store_true",
+                     help="show every engine and library message")
+    sft.set_defaults(func=_sft)
+
     config = sub.add_parser("config", help="print the composed, validated config")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_config)
@@ -135,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_tiny_model)
+    sft_toy = data_sub.add_parser(
+        "sft-toy", help="SFT parquet for the toy task (also a task.source=parquet RL file)")
+    sft_toy.add_argument("--out", required=True)
+    sft_toy.add_argument("--task", default="rep")
+    sft_toy.add_argument("--size", type=int, default=512)
+    sft_toy.add_argument("--seed", type=int, default=0)
+    sft_toy.set_defaults(func=_sft_toy)
     return parser
 
 
