@@ -1,5 +1,5 @@
 """``streamrl sft``: assistant-only loss masks, bad input, training, DCP resume, HF export, and
-GRPO after SFT against GRPO alone.
+(by hand) GRPO after SFT against GRPO alone.
 
 Everything runs the real parts on CPU: the tiny Qwen2 model and tokenizer, FSDP2 over gloo
 (world size 1 in this process, 2 spawned), torch DCP, transformers for the exported model.
@@ -210,11 +210,11 @@ GRPO = ["task.source=parquet", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
         "task.train_batch_size=16", "actor.ppo_mini_batch_size=16", "trainer.total_steps=20"]
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 @pytest.mark.vllm
 def test_grpo_after_sft_beats_grpo_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Two 20-step GRPO runs (~25 s each here) on the chat-format toy task: from the tiny
-    random model, and from it after 20 SFT steps (~3 s).
+    random model, and from it after 20 SFT steps (~3 s). Manual: two full training runs.
 
     Measured (2 cores, fully_async, lr 1e-3; 100 s in all): SFT loss 5.15 -> 1.15; GRPO after
     SFT reward 0.068 -> 0.647 (mean of the last 5 steps 0.56); GRPO alone 0.002 -> 0.008 (0.006).
