@@ -387,9 +387,10 @@ class Replica:
         start = time.perf_counter()
         completions = await self._sample_with_retries(
             prompt.prompt_ids, self.params, group_id, f"prompt {prompt.index}")
+        extra_info = self._extra_info(prompt)  # once per group: it decodes the prompt
         gen_s = time.perf_counter() - start
         return list(await asyncio.gather(
-            *(self._trajectory(prompt, group_id, c, gen_s) for c in completions)))
+            *(self._trajectory(prompt, group_id, c, gen_s, extra_info) for c in completions)))
 
     async def _greedy_reward(self, prompt: PromptLike, group_id: str) -> float:
         """ReMax's baseline: the reward of one greedy response to the prompt, scored (and
@@ -397,7 +398,7 @@ class Replica:
         params = dataclasses.replace(self.params, n=1, temperature=0.0)
         (c,) = await self._sample_with_retries(prompt.prompt_ids, params, f"{group_id}-greedy",
                                                f"the greedy baseline of prompt {prompt.index}")
-        reward, _ = await self._score(prompt, c)
+        reward, _ = await self._score(prompt, c, self._extra_info(prompt))
         return reward
 
     async def _episodes(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
@@ -522,9 +523,10 @@ class Replica:
         return done
 
     async def _trajectory(
-        self, prompt: PromptLike, group_id: str, c: Completion, gen_s: float
+        self, prompt: PromptLike, group_id: str, c: Completion, gen_s: float,
+        extra_info: dict[str, Any],
     ) -> Trajectory:
-        reward, metrics = await self._score(prompt, c)
+        reward, metrics = await self._score(prompt, c, extra_info)
         metrics["gen_s"] = gen_s
         return Trajectory(
             uid=new_uid(), group_id=group_id, prompt_ids=list(prompt.prompt_ids),
@@ -535,14 +537,17 @@ class Replica:
             ground_truth=prompt.ground_truth, extra=dict(prompt.extra), metrics=metrics,
         )
 
-    async def _score(self, prompt: PromptLike, c: Completion) -> tuple[float, dict[str, float]]:
+    def _extra_info(self, prompt: PromptLike) -> dict[str, Any]:
+        """What the scorer gets beside the response: rep-style rewards count over the token
+        budget; prompt fields take precedence; reward models and judges read the prompt."""
+        return {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra,
+                PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
+
+    async def _score(self, prompt: PromptLike, c: Completion, extra_info: dict[str, Any]
+                     ) -> tuple[float, dict[str, float]]:
         """The shaped reward of one completion and its timing metrics; a scorer that raises
         or returns a non-finite value scores 0 (counted)."""
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        # rep-style rewards count over the token budget; prompt fields take precedence; reward
-        # models and judges read the prompt too.
-        extra_info = {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra,
-                      PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
         start = time.perf_counter()
         try:
             reward = float(await self.scorer.score(prompt.data_source, text, prompt.ground_truth,
