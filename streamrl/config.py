@@ -319,6 +319,10 @@ class LearnerConfig:
     device: str = "auto"
     """auto | cpu | cuda"""
     seed: int = 0
+    offload: bool = False
+    """Co-located sync runs (weight_bus.backend=colocated): move parameters, gradients and
+    optimizer state to host memory while the engine generates, back before training. Frees
+    device memory for the engine on GPUs; nothing to move on CPU."""
 
 
 @dataclass(frozen=True)
@@ -643,14 +647,7 @@ def validate(cfg: Config) -> Config:
     _check_mode(cfg)
     _check_dapo(cfg)
     _check_remax(cfg)
-    if cfg.weight_bus.backend == "colocated":
-        # ColocatedPublisher hands weights to an engine in the learner's own process; the
-        # runtime places learner ranks and engines in separate Ray actors, so only the
-        # collective bus reaches them until the hybrid worker exists.
-        _fail("weight_bus.backend", cfg.weight_bus.backend,
-              "is not supported by streamrl train yet (learner ranks and engines are separate "
-              "Ray actors): use weight_bus.backend=collective, with runtime.placement=colocated "
-              "to share devices")
+    _check_colocated(cfg)
     _check_reward(cfg)
     if cfg.task.source == "parquet" and not cfg.task.train_files:
         _fail("task.train_files", cfg.task.train_files, "is required with task.source=parquet")
@@ -658,6 +655,23 @@ def validate(cfg: Config) -> Config:
         _fail("trainer.resume", cfg.trainer.resume, "is neither disable, auto nor a checkpoint dir")
     _check_agent(cfg)
     return cfg
+
+
+def _check_colocated(cfg: Config) -> None:
+    """The hybrid worker (runtime/hybrid.py): one learner rank and one in-process vLLM engine
+    per bundle, so one replica per rank."""
+    if cfg.weight_bus.backend != "colocated":
+        return
+    if cfg.runtime.placement != "colocated":
+        _fail("weight_bus.backend", "colocated",
+              "swaps weights inside a hybrid worker: set runtime.placement=colocated too")
+    if cfg.rollout.backend != "vllm":
+        _fail("rollout.backend", cfg.rollout.backend,
+              "co-located hybrid workers run vLLM in-process: use rollout.backend=vllm")
+    if cfg.rollout.num_replicas != cfg.learner.world_size:
+        _fail("rollout.num_replicas", cfg.rollout.num_replicas,
+              f"must equal learner.world_size={cfg.learner.world_size} with "
+              "weight_bus.backend=colocated (each hybrid worker holds one rank and one engine)")
 
 
 def _check_mode(cfg: Config) -> None:

@@ -216,7 +216,12 @@ def test_bad_mode_names_value() -> None:
     ({"actor.icepop_low": 0.5}, r"actor.icepop_low=0.5: set both"),
     ({"buffer.max_staleness": 0}, r"buffer.max_staleness=0: must be >= 1 with trainer.mode"),
     ({"weight_bus.backend": "colocated"},
-     r"weight_bus.backend='colocated': is not supported by streamrl train yet"),
+     r"weight_bus.backend='colocated': swaps weights inside a hybrid worker: set "
+     r"runtime.placement=colocated"),
+    ({"weight_bus.backend": "colocated", "runtime.placement": "colocated",
+      "rollout.backend": "hf"}, r"rollout.backend='hf': co-located hybrid workers run vLLM"),
+    ({"weight_bus.backend": "colocated", "runtime.placement": "colocated",
+      "rollout.num_replicas": 2}, r"rollout.num_replicas=2: must equal learner.world_size=1"),
     ({"reward.name": "custom"}, r"reward.custom_path=None: is required"),
     ({"task.max_prompt_length": 600}, r"rollout.max_model_len=512"),
     ({"actor.ppo_max_token_len": 10}, r"actor.ppo_max_token_len=10"),

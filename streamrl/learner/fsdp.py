@@ -161,9 +161,10 @@ def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.M
 
 
 def iter_full_parameters(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype | None = None, every_rank: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` one parameter at a time, on rank 0 only.
+    """Yield ``(hf_name, full_tensor)`` one parameter at a time, on rank 0 only (every rank
+    with ``every_rank``: co-located ranks each feed their own engine).
 
     Every rank must drive this generator to the end (each ``full_tensor()`` is a collective);
     other ranks yield nothing. At most one gathered parameter exists beyond the shards at any
@@ -173,6 +174,6 @@ def iter_full_parameters(
     rank = dist.get_rank() if dist.is_initialized() else 0
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param
-        if rank == 0:
+        if rank == 0 or every_rank:
             yield name, full.detach().to(dtype or full.dtype)
         del full

@@ -7,8 +7,10 @@ computes its own rows and the collectives make the results whole again:
   ``rollout_log_probs``), ``ref_log_prob`` when ``cfg.use_ref``, ``values`` when
   ``cfg.use_critic``. **Every rank returns the full batch.**
 - ``update(batch)`` trains the actor (and critic); every rank returns the same metrics.
-- ``named_full_parameters(dtype)``: rank 0 yields (HF name, full tensor); other ranks must
-  iterate too (they yield nothing).
+- ``named_full_parameters(dtype, every_rank)``: rank 0 (every rank with ``every_rank``) yields
+  (HF name, full tensor); other ranks must iterate too (they yield nothing).
+- ``offload()`` / ``reload()``: parameters, gradients and optimizer state to host memory and
+  back (``learner.offload``, co-located mode); nothing moves on a CPU device.
 - ``save_checkpoint(step, extra)`` / ``load_checkpoint(path)``: atomic DCP checkpoints under
   ``cfg.trainer.output_dir`` (see checkpoint.py); ``export_hf(dir)``: HF weights on rank 0.
 - ``version``: completed updates (restored by ``load_checkpoint``).
@@ -133,9 +135,31 @@ class LearnerWorker:
 
     # ---- weights -----------------------------------------------------------------------------
     def named_full_parameters(
-        self, dtype: torch.dtype | None = None
+        self, dtype: torch.dtype | None = None, every_rank: bool = False
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_full_parameters(self.actor.model, dtype)
+        return iter_full_parameters(self.actor.model, dtype, every_rank)
+
+    def offload(self) -> None:
+        self._move(torch.device("cpu"))
+
+    def reload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device: torch.device) -> None:
+        """Models (FSDP2 shards move with their module) and optimizer state to ``device``."""
+        if self.device.type == "cpu":
+            return  # they live in host memory already
+        for state in self._states().values():
+            state.model.to(device)
+            for slots in state.optimizer.state.values():
+                for key, value in slots.items():
+                    if isinstance(value, torch.Tensor):
+                        slots[key] = value.to(device, non_blocking=True)
+        if self.ref is not None:
+            self.ref.model.to(device)
+        if device.type == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # what the engine's wake-up needs back
 
     def _states(self) -> dict[str, ckpt.TrainState]:
         states = {"actor": ckpt.TrainState(self.actor.model, self.actor.optimizer,

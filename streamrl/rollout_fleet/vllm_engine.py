@@ -191,17 +191,6 @@ def function_target(fn: Callable[..., Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Stream:
-    """Per-sample accumulation of one request's streamed deltas."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    arrival_versions: list[int] = field(default_factory=list)
-    spans: list[Any] | None = None
-    finish_reason: str | None = None
-
-
 def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | None = None) -> Any:
     """The ``AsyncEngineArgs`` a VLLMEngine is built from (one place for every knob)."""
     from huggingface_hub.utils import are_progress_bars_disabled
@@ -240,6 +229,77 @@ def _versions_from_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
     return [int(v) for v in versions if v is not None]
 
 
+@dataclass
+class SampleStream:
+    """Per-sample accumulation of one request's streamed deltas (both vLLM engines)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    arrival_versions: list[int] = field(default_factory=list)
+    spans: list[Any] | None = None
+    finish_reason: str | None = None
+
+    def absorb(self, delta: Any, version: int, request_id: str) -> None:
+        """Add one ``CompletionOutput`` delta, stamping its tokens with ``version`` on arrival."""
+        new = list(delta.token_ids)
+        if new:
+            if delta.logprobs is None or len(delta.logprobs) != len(new):
+                raise RuntimeError(f"vLLM returned no log-prob per token for {request_id}")
+            self.token_ids.extend(new)
+            # logprobs=0 returns one entry per position: the sampled token's.
+            self.logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, delta.logprobs))
+            self.arrival_versions.extend([version] * len(new))
+        if delta.finish_reason is not None:
+            self.finish_reason = str(delta.finish_reason)
+            self.spans = delta.weight_versions
+
+    def completion(self, request_id: str) -> Completion:
+        versions = _versions_from_spans(self.spans, len(self.token_ids))
+        if versions is None:
+            if self.token_ids:
+                logger.warning("%s: vLLM reported no usable version spans; using arrival "
+                               "stamps", request_id)
+            versions = self.arrival_versions
+        return Completion(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            versions=list(versions),
+            finish_reason=self.finish_reason or "abort",
+        )
+
+
+def vllm_sampling(params: SamplingParams) -> tuple[Any, int]:
+    """(vLLM ``SamplingParams`` streaming deltas with behaviour log-probs, greedy copies).
+
+    vLLM refuses greedy n > 1; the n greedy samples are identical, so one is sampled and
+    ``completions`` copies it."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    greedy_copies = params.n if params.temperature == 0 and params.n > 1 else 1
+    sampling = VSamplingParams(
+        n=params.n // greedy_copies,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        logprobs=0,  # the sampled token's own log-prob only
+        # Callers decode ids themselves; vLLM needs text only to match stop strings
+        # (detokenizing every token and its log-prob entry cost ~20% of a replica's CPU).
+        detokenize=bool(params.stop),
+        output_kind=RequestOutputKind.DELTA,
+    )
+    return sampling, greedy_copies
+
+
+def completions(streams: list[SampleStream], greedy_copies: int, request_id: str
+                ) -> list[Completion]:
+    done = [s.completion(request_id) for s in streams]
+    return done + [copy.deepcopy(done[0]) for _ in range(greedy_copies - 1)]
+
+
 class VLLMEngine(RolloutEngine):
     """A vLLM ``AsyncLLM`` serving one policy version at a time (see the module docstring)."""
 
@@ -262,7 +322,7 @@ class VLLMEngine(RolloutEngine):
         self._paused = False
         self._swap_lock = asyncio.Lock()
         self._closed = False
-        self._live: dict[str, list[_Stream]] = {}
+        self._live: dict[str, list[SampleStream]] = {}
         logger.info("vLLM engine for %s ready in %.1fs", model_path, self.startup_s)
 
     @property
@@ -300,77 +360,28 @@ class VLLMEngine(RolloutEngine):
         self, prompt_ids: list[int], params: SamplingParams, request_id: str,
         on_tokens: TokenSink | None,
     ) -> list[Completion]:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         if not prompt_ids:
             raise ValueError(f"generate({request_id}): prompt_ids is empty")
         await self._ensure_label()
-        # vLLM refuses greedy n > 1; the n greedy samples are identical, so sample one.
-        greedy_copies = params.n if params.temperature == 0 and params.n > 1 else 1
-        n = params.n // greedy_copies
-        sampling = VSamplingParams(
-            n=n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=params.max_tokens,
-            stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None,
-            logprobs=0,  # the sampled token's own log-prob only
-            # Callers decode ids themselves; vLLM needs text only to match stop strings
-            # (detokenizing every token and its log-prob entry cost ~20% of a replica's CPU).
-            detokenize=bool(params.stop),
-            output_kind=RequestOutputKind.DELTA,
-        )
+        sampling, greedy_copies = vllm_sampling(params)
         if request_id in self._live:
             raise ValueError(f"generate: request_id={request_id!r} is already in flight")
-        streams = self._live[request_id] = [_Stream() for _ in range(n)]
+        streams = self._live[request_id] = [SampleStream() for _ in range(sampling.n)]
         try:
             async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sampling,
                                                 request_id=request_id):
                 version = self._version  # stamped on arrival; exact spans come at the end
                 for delta in out.outputs:
-                    self._absorb(streams[delta.index], delta, version, request_id)
+                    streams[delta.index].absorb(delta, version, request_id)
                     if on_tokens is not None and delta.token_ids:
                         on_tokens(list(delta.token_ids))
         finally:
             del self._live[request_id]
-        completions = [self._completion(s, request_id) for s in streams]
-        return completions + [copy.deepcopy(completions[0]) for _ in range(greedy_copies - 1)]
+        return completions(streams, greedy_copies, request_id)
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens received so far by a request in flight, over its samples (0 if unknown)."""
         return sum(len(s.token_ids) for s in self._live.get(request_id, ()))
-
-    @staticmethod
-    def _absorb(stream: _Stream, delta: Any, version: int, request_id: str) -> None:
-        new = list(delta.token_ids)
-        if new:
-            if delta.logprobs is None or len(delta.logprobs) != len(new):
-                raise RuntimeError(f"vLLM returned no log-prob per token for {request_id}")
-            stream.token_ids.extend(new)
-            # logprobs=0 returns one entry per position: the sampled token's.
-            stream.logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, delta.logprobs))
-            stream.arrival_versions.extend([version] * len(new))
-        if delta.finish_reason is not None:
-            stream.finish_reason = str(delta.finish_reason)
-            stream.spans = delta.weight_versions
-
-    @staticmethod
-    def _completion(stream: _Stream, request_id: str) -> Completion:
-        versions = _versions_from_spans(stream.spans, len(stream.token_ids))
-        if versions is None:
-            if stream.token_ids:
-                logger.warning("%s: vLLM reported no usable version spans; using arrival "
-                               "stamps", request_id)
-            versions = stream.arrival_versions
-        return Completion(
-            token_ids=stream.token_ids,
-            logprobs=stream.logprobs,
-            versions=list(versions),
-            finish_reason=stream.finish_reason or "abort",
-        )
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

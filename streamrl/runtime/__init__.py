@@ -5,10 +5,12 @@ Parts:
 - ``handles``: what the controller sees — ``Runtime`` with ``buffer`` (a ReplayBuffer),
   ``learner`` (``LearnerGroup``), ``weight_bus`` (``publish(version)``), ``fleet`` (``Fleet``),
 - ``actors``: the process roles placed as Ray actors (``LearnerActor``, ``ReplicaActor``),
+- ``hybrid``: ``HybridActor``, a learner rank and its in-process engine in one actor
+  (``weight_bus.backend=colocated``): both handles drive the same actors,
 - ``supervisor``: notices dead or hung replicas, gives their admissions back, re-creates them,
 - ``build_runtime(cfg)`` (here): wires them up in ``setup`` order — shared buffer, learner
   ranks (rendezvous at an address rank 0 picks on its own node), replicas joined to the weight
-  bus — and on exit stops every actor and shuts Ray down (``ray.shutdown``, never ``ray stop``).
+  bus (or hybrid workers: ranks first, then their engines inside the ranks' world) — and on exit stops every actor and shuts Ray down (``ray.shutdown``, never ``ray stop``).
   The same config runs on one machine (``runtime.address`` unset: loopback) or on a cluster.
 
 Components never reference the runtime; it wires them and the controller drives them.
@@ -30,13 +32,14 @@ from streamrl.buffer import make_buffer
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
+from streamrl.errors import ConfigError
 from streamrl.logs import CPU_MODE_NOTE
 from streamrl.models import resolve_model_path
 from streamrl.rollout_fleet import load_user_code
 from streamrl.rollout_fleet.rewards import start_reward_servers
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
-from streamrl.runtime.supervisor import Member, Supervisor, holder_name, shut_down
+from streamrl.runtime.supervisor import Member, Spawn, Supervisor, holder_name, shut_down
 
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
@@ -56,7 +59,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
     with ``buffer=redis`` it announces its bus endpoint there.
     """
     from streamrl.data import make_prompt_source
-    from streamrl.runtime.actors import LearnerActor, ReplicaActor
+    from streamrl.runtime.hybrid import start_hybrid_workers
 
     # Bad input fails here, before Ray and the engines start.
     check_fits(cfg, learners=learners)
@@ -92,40 +95,20 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         actors.extend(reward_servers.values())
 
         learner_group: LearnerGroup | None = None
-        endpoint: str | None = None
-        if learners:
+        spawn: Spawn | None = None
+        if cfg.weight_bus.backend == "colocated":
+            if serving or not learners:
+                raise ConfigError("weight_bus.backend=colocated: streamrl serve runs no hybrid "
+                                  "workers; use weight_bus.backend=collective")
             assert train_pg is not None
-            ranks = [
-                ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
-                    scheduling_strategy=in_bundle(train_pg, rank),
-                ).remote(cfg, rank, cfg.learner.world_size)
-                for rank in range(cfg.learner.world_size)
-            ]
-            actors.extend(ranks)
-            # The FSDP group rendezvous on rank 0's node, at a port picked there.
-            master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
-            ray.get([r.start.remote(master_addr, master_port) for r in ranks])
-            learner_group = LearnerGroup(ranks)
-            endpoint = ray.get(ranks[0].bus_endpoint.remote())
-            announce = getattr(buffer, "announce_bus", None)
-            if announce is not None:  # Redis: how a separate streamrl serve finds the bus
-                announce(endpoint)
-
-        def spawn(index: int, holder: str) -> Any:
-            assert rollout_pg is not None
-            return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
-                scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
-            ).remote(cfg, index, buffer, endpoint, holder, reward_servers)
-
-        num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
-        fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
-                      loops=not serving)
-        ray.get([r.setup.remote() for r in fleet.replicas])
-        if num_replicas and cfg.rollout.backend == "vllm" and cfg.trainer.log_level != "debug" \
-                and not torch.cuda.is_available():
+            workers = start_hybrid_workers(cfg, train_pg, buffer, reward_servers)
+            learner_group = LearnerGroup(workers)
+            fleet = Fleet([Member(i, w) for i, w in enumerate(workers)])
+        else:
+            learner_group, spawn, fleet = _start_disaggregated(
+                cfg, learners, serving, buffer, reward_servers, train_pg, rollout_pg, actors)
+        if fleet.members and cfg.trainer.log_level != "debug" and not torch.cuda.is_available():
             log.info(CPU_MODE_NOTE)  # in place of the engines' start-up warnings about it
-        if learner_group is not None and num_replicas:
-            ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
         fleet.supervise(Supervisor(cfg, fleet.members, buffer, spawn, loops=not serving,
                                    lock=fleet.lock))
         yield Runtime(
@@ -143,3 +126,50 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
+
+
+def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: ReplayBuffer,
+                         reward_servers: dict[str, Any], train_pg: PlacementGroup | None,
+                         rollout_pg: PlacementGroup | None, actors: list[Any]
+                         ) -> tuple[LearnerGroup | None, Spawn, Fleet]:
+    """Learner ranks (their actors appended to ``actors``) and replicas in actors of their own,
+    joined over the weight bus; the replicas set up and, with learners, connected."""
+    from streamrl.runtime.actors import LearnerActor, ReplicaActor
+
+    learner_group: LearnerGroup | None = None
+    endpoint: str | None = None
+    if learners:
+        assert train_pg is not None
+        ranks = [
+            ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
+                scheduling_strategy=in_bundle(train_pg, rank),
+            ).remote(cfg, rank, cfg.learner.world_size)
+            for rank in range(cfg.learner.world_size)
+        ]
+        actors.extend(ranks)
+        # The FSDP group rendezvous on rank 0's node, at a port picked there.
+        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+        ray.get([r.start.remote(master_addr, master_port) for r in ranks])
+        learner_group = LearnerGroup(ranks)
+        endpoint = ray.get(ranks[0].bus_endpoint.remote())
+        announce = getattr(buffer, "announce_bus", None)
+        if announce is not None:  # Redis: how a separate streamrl serve finds the bus
+            announce(endpoint)
+
+    def spawn(index: int, holder: str) -> Any:
+        assert rollout_pg is not None
+        return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
+            scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
+        ).remote(cfg, index, buffer, endpoint, holder, reward_servers)
+
+    num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
+    fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
+                  loops=not serving)
+    try:
+        ray.get([r.setup.remote() for r in fleet.replicas])
+        if learner_group is not None and num_replicas:
+            ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
+    except BaseException:
+        fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
+        raise
+    return learner_group, spawn, fleet

@@ -63,7 +63,7 @@ class LearnerActor:
                 self.bound["learner.gloo"] = self.host
         self.worker = LearnerWorker(self.cfg, self.rank, self.world_size, master_addr,
                                     master_port)
-        if self.rank == 0:
+        if self.rank == 0 and self.cfg.weight_bus.backend == "collective":
             bus = self.cfg.weight_bus
             self.publisher = make_publisher(
                 dataclasses.replace(bus, master_addr=bus.master_addr or self.host))
@@ -160,7 +160,6 @@ class ReplicaActor:
         from transformers import AutoTokenizer
 
         from streamrl.data import make_prompt_source
-        from streamrl.rollout_fleet import make_engine
         from streamrl.rollout_fleet.replica import Replica
         from streamrl.rollout_fleet.rewards import make_reward_scorer
 
@@ -168,7 +167,7 @@ class ReplicaActor:
         if cfg.runtime.pin_cpus:
             pin_to_core(cfg.learner.world_size + self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
-        self.engine = make_engine(cfg.rollout, self.model_path, self.tokenizer)
+        self.engine = self._make_engine()
         self.scorer = make_reward_scorer(cfg.reward, self.reward_servers)
         self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
@@ -178,6 +177,11 @@ class ReplicaActor:
                                trace=cfg.trainer.trace)
         if self.bus_endpoint is not None:
             await self.connect_bus(self.bus_endpoint)
+
+    def _make_engine(self) -> Any:
+        from streamrl.rollout_fleet import make_engine
+
+        return make_engine(self.cfg.rollout, self.model_path, self.tokenizer)
 
     async def connect_bus(self, endpoint: str) -> None:
         """Receive weights from the publisher at ``endpoint``, leaving any earlier one (a

@@ -7,7 +7,7 @@
   by its ``runtime.<pool>`` strategy (PACK / SPREAD ...) and node labels,
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
-- ``pin_to_core(slot)``: optional core pinning (``runtime.pin_cpus``).
+- ``pin_to_core(slot, width)``: optional core pinning (``runtime.pin_cpus``).
 
 Depends on config only.
 """
@@ -140,7 +140,8 @@ def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrateg
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
 
-def pin_to_core(slot: int) -> None:
-    """Bind this process (and the engine processes it starts later) to one core."""
+def pin_to_core(slot: int, width: int = 1) -> None:
+    """Bind this process (and the engine processes it starts later) to ``width`` cores: the
+    ``slot``-th run of them (modulo the cores it may use)."""
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[slot % len(cores)]})
+    os.sched_setaffinity(0, {cores[(slot * width + i) % len(cores)] for i in range(width)})

@@ -78,11 +78,15 @@ class Member:
 
 Spawn = Callable[[int, str], Any]
 """(replica index, holder) -> a new ReplicaActor handle, placed in that replica's bundle."""
+NOT_RECREATED = ("a co-located hybrid worker holds a learner rank and is not re-created: "
+                 "trainer.resume=auto continues from the last checkpoint")
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, members: list[Member], buffer: ReplayBuffer, spawn: Spawn,
-                 loops: bool, lock: threading.RLock) -> None:
+    def __init__(self, cfg: Config, members: list[Member], buffer: ReplayBuffer,
+                 spawn: Spawn | None, loops: bool, lock: threading.RLock) -> None:
+        """``spawn`` None: members are never re-created (hybrid workers); the first death
+        stops the run."""
         self.cfg = cfg
         self.members = members
         self.buffer = buffer
@@ -150,6 +154,10 @@ class Supervisor:
         released = self.buffer.release(member.holder)
         self.released += released
         log.error("%s: %s; %d admission(s) it held given back", member.name, cause, released)
+        if self.spawn is None:
+            self.failure = f"{member.name} {cause}; {NOT_RECREATED}"
+            log.error("%s", self.failure)
+            return
         while member.restarts < rt.max_restarts and not self._stop.is_set():
             member.restarts += 1
             self.restarts += 1
@@ -177,6 +185,7 @@ class Supervisor:
     def _start(self, member: Member) -> Any:
         """A new incarnation of ``member``: set up, at the current weights, loop started."""
         member.incarnation += 1
+        assert self.spawn is not None
         actor = self.spawn(member.index, member.holder)
         try:
             try:

