@@ -5,7 +5,8 @@ batch respects the mode's staleness bound (fully_async on an emulated three-node
 where no rendezvous may bind loopback), and so must ``algorithm=dapo`` while training on
 informative groups only (``algorithm=remax`` too, run by hand: it learns slowly on the sparse
 toy task); one run uses a real redis-server buffer; a run killed mid-training (SIGKILL of the
-whole process group) resumes from its checkpoint.
+whole process group) resumes from its checkpoint; a co-located hybrid run (learner and engine in
+one actor, weights swapped in place) learns, validates, checkpoints and resumes.
 """
 
 from __future__ import annotations
@@ -91,6 +92,27 @@ def test_fully_async_learns_across_nodes(tmp_path: Path, tiny_model_dir: Path) -
         host = address.removeprefix("tcp://").rsplit(":", 1)[0]
         assert host == node_ip and not ipaddress.ip_address(host).is_loopback, (what, address)
     _assert_learns(result, mode, eta, tmp_path)
+
+
+def test_colocated_sync_learns_validates_and_resumes(tmp_path: Path, tiny_model_dir: Path
+                                                    ) -> None:
+    """``runtime.placement=colocated weight_bus.backend=colocated``: one hybrid worker holds
+    the learner rank and its engine; the same guard as the disaggregated modes, plus
+    validation, checkpoints and a resume, which behave as they do there."""
+    args = [*COMMON, f"model.path={tiny_model_dir}", "trainer.mode=sync",
+            "runtime.placement=colocated", "weight_bus.backend=colocated",
+            f"trainer.output_dir={tmp_path}", "trainer.test_freq=15", "trainer.save_freq=15"]
+    result = run_training(load_config([*args, f"trainer.total_steps={STEPS}"]))
+    _assert_learns(result, "sync", 0, tmp_path)
+    validated = [h for h in result.history if "val/reward/mean" in h]
+    assert [h["step"] for h in validated] == [15, 30]
+    assert result.checkpoint is not None and result.checkpoint.endswith(f"_{STEPS}")
+    assert all(h["weight_bus/seconds"] > 0 for h in result.history)
+    resumed = run_training(load_config([*args, "trainer.resume=auto",
+                                        f"trainer.total_steps={STEPS + 2}"]))
+    assert [h["step"] for h in resumed.history] == [STEPS + 1, STEPS + 2]
+    # On-policy from the resumed weights: the engine got them in place at resume.
+    assert max(h["rollout/logprob_abs_diff"] for h in resumed.history) < 1e-3
 
 
 def _assert_learns(result: TrainResult, mode: str, eta: int, tmp_path: Path) -> None:
