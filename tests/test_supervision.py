@@ -4,7 +4,9 @@ The first kill -9 of the replica actor is noticed within seconds, the admissions
 given back and a new incarnation rejoins the weight bus and produces, so training goes on. With
 ``runtime.max_restarts=1`` the second kill cannot be repaired: the run stops with exit code 3 and
 one line naming the replica and the cause, within 60 s. Afterwards none of the run's processes
-(Ray's, the replica actors', vLLM engine cores, reward pool workers) is left.
+(Ray's, the replica actors', vLLM engine cores, reward pool workers) is left. A killed
+co-located hybrid worker (a learner rank with its engine) is not re-created: the run stops the
+same way at once.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path)
     return value
 
 
-def replica_actor(driver: psutil.Process) -> psutil.Process | None:
+def replica_actor(driver: psutil.Process, title: str = "ray::ReplicaActor"
+                  ) -> psutil.Process | None:
     for p in driver.children(recursive=True):
         try:
-            if p.cmdline()[:1] == ["ray::ReplicaActor"]:
+            if p.cmdline()[:1] == [title]:
                 return p
         except psutil.NoSuchProcess:
             continue
@@ -137,3 +140,42 @@ def test_sigterm_stops_the_run_cleanly_and_leaves_no_process(
     assert "streamrl: interrupted (SIGTERM); the run's processes were stopped" in text
     _, left = psutil.wait_procs(list(family), timeout=30)
     assert not [p for p in left if p.status() != "zombie"], [p.cmdline()[:3] for p in left]
+
+
+def test_a_killed_hybrid_worker_stops_the_run_at_once(tmp_path: Path, tiny_model_dir: Path
+                                                      ) -> None:
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
+            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
+            "trainer.mode=sync", "runtime.placement=colocated", "weight_bus.backend=colocated",
+            f"trainer.output_dir={out}", "runtime.heartbeat_s=1"]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    driver = psutil.Process(proc.pid)
+    try:
+        worker = wait_for(lambda: replica_actor(driver, "ray::HybridActor"), 240,
+                          "a hybrid worker", log)
+        wait_for(lambda: len(steps_logged(out / "metrics.jsonl")) >= 2, 240, "2 steps", log)
+        family = set(driver.children(recursive=True))
+        worker.kill()
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=RUN_TIMEOUT_S)
+        stopped_after_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")
+    assert code == 3, text[-3000:]
+    assert stopped_after_s < 60, stopped_after_s
+    stopped = [line for line in text.splitlines() if line.startswith("streamrl: run stopped:")]
+    assert len(stopped) == 1, text[-3000:]
+    # Whichever noticed first: the learner call that lost its rank, or the supervisor.
+    assert "learner rank 0 died" in stopped[0] or "is not re-created" in stopped[0], stopped
+    assert "trainer.resume=auto" in stopped[0], stopped
+    deadline = time.monotonic() + 30
+    while (left := [p for p in family if p.is_running() and p.status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
