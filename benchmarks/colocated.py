@@ -8,14 +8,16 @@ task, 2 CPUs:
 - ``colocated``: one hybrid worker holding both on the two CPUs, weights swapped in place
   (``runtime.placement=colocated weight_bus.backend=colocated``).
 
-Printed per layout and mode: steady-state steps/s (the first ``--warmup`` steps, engine start-up
+Cases run ``--repeats`` times, the layouts alternating, and each figure is the median over the
+repeats (one machine's speed drifts by up to 1.4x between two identical runs). Printed per
+layout and mode: steady-state steps/s (the first ``--warmup`` steps, engine start-up
 included, are left out), the median weight swap (``timing_s/update_weights``: from the publish
 call until the engine serves the new version), reward at the end, and the peak memory of the
 run's worker processes (PSS, summed over Ray actors and engine cores, sampled every 0.2 s).
 The swap is measured twice: on the toy model (~0.5 MB, where fixed costs dominate) and on a
 ~67 MB model (``--swap-steps`` steps each) where the bytes do.
 
-    .venv/bin/python benchmarks/colocated.py [--steps 30] [--warmup 4] [--swap-steps 6]
+    .venv/bin/python benchmarks/colocated.py [--steps 12] [--warmup 3] [--repeats 3]
 
 Goals (issue 12): (a) in-place swap <= 0.5x the collective publish of the same weights, (b)
 colocated sync steps/s >= 1.0x disaggregated sync. Also measured: fully_async in both layouts
@@ -98,27 +100,34 @@ def run(layout: str, mode: str, steps: int, warmup: int, extra: list[str]) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="measured steps per case")
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out per case")
+    parser.add_argument("--steps", type=int, default=12, help="measured steps per case")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out per case")
     parser.add_argument("--swap-steps", type=int, default=6,
                         help="measured steps per layout with the 67 MB model")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case (median)")
     args = parser.parse_args()
 
-    results = {(layout, mode): run(layout, mode, args.steps, args.warmup, [])
-               for mode in ("sync", "fully_async") for layout in LAYOUTS}
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as models:
         medium = build_tiny_model(Path(models) / "medium", hidden_size=512, num_layers=4,
                                   num_heads=16, intermediate_size=2048)
-        swaps = {layout: run(layout, "sync", args.swap_steps, 2, [f"model.path={medium}"])
-                 for layout in LAYOUTS}
+        for _ in range(args.repeats):
+            for mode in ("sync", "fully_async", "sync, 67 MB"):
+                for layout in LAYOUTS:
+                    if mode == "sync, 67 MB":
+                        r = run(layout, "sync", args.swap_steps, 2, [f"model.path={medium}"])
+                    else:
+                        r = run(layout, mode, args.steps, args.warmup, [])
+                    runs.setdefault((layout, mode), []).append(r)
+                    print(f"{layout} {mode}: {r}", flush=True)
+    results = {case: {key: statistics.median(r[key] for r in rs) for key in rs[0]}
+               for case, rs in runs.items()}
+    swaps = {layout: results[layout, "sync, 67 MB"] for layout in LAYOUTS}
 
     print(f"{'layout':<15}{'mode':<13}{'steps/s':>8}{'swap ms':>9}{'reward':>8}{'peak GiB':>10}")
     for (layout, mode), r in results.items():
         print(f"{layout:<15}{mode:<13}{r['steps_per_s']:>8.2f}{r['swap_s'] * 1e3:>9.1f}"
               f"{r['reward']:>8.3f}{r['peak_gib']:>10.2f}")
-    for layout, r in swaps.items():
-        print(f"{layout:<15}{'sync, 67 MB':<13}{r['steps_per_s']:>8.2f}{r['swap_s'] * 1e3:>9.1f}"
-              f"{'':>8}{r['peak_gib']:>10.2f}")
 
     def ratio(a: dict[str, float], b: dict[str, float], key: str) -> float:
         return a[key] / b[key]
@@ -135,6 +144,8 @@ def main() -> None:
                       ratio(swaps["colocated"], swaps["disaggregated"], "swap_s"), "<=", 0.5))
     print(result_line("colocated_vs_disaggregated_sync_steps",
                       ratio(sync_c, sync_d, "steps_per_s"), ">=", 1.0))
+    print(result_line("colocated_vs_disaggregated_sync_steps_67mb",
+                      ratio(swaps["colocated"], swaps["disaggregated"], "steps_per_s"), ">=", 1.0))
 
 
 if __name__ == "__main__":
