@@ -227,6 +227,10 @@ class TaskConfig:
     val_size: int = 64
     seed: int = 0
     shuffle: bool = True
+    long_tail: float = 0.0
+    """Toy task: the share of training prompts that want ``long_tail_tokens`` response tokens
+    instead of rollout.max_new_tokens (a long tail of answers, as in reasoning data)."""
+    long_tail_tokens: int = 64
 
 
 @dataclass(frozen=True)
@@ -277,9 +281,11 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
-    tis_cap: float | None = None
+    tis_cap: float | None = 2.0
     """Truncated importance sampling cap on pi_proximal / pi_behaviour (None: off); verl's
-    rollout_is_threshold. In bypass mode only with policy_loss=reinforce."""
+    rollout_is_threshold. In bypass mode only with policy_loss=reinforce. On by default: in
+    the asynchronous modes every batch is a version stale, and without the weight the time to
+    reward varied most (docs/speedup.md); in sync the weight is 1 (up to engine numerics)."""
     rollout_is_level: str = "token"
     """token | sequence: IS weight per token, or the row's product on each of its tokens."""
     rollout_is_batch_normalize: bool = False
@@ -415,8 +421,11 @@ class RuntimeConfig:
     num_cpus: int | None = None
     cpus_per_replica: float = 1.0
     cpus_per_learner: float = 1.0
-    pin_cpus: bool = False
-    """Pin learner rank r to core r and replica i to core world_size + i (modulo the cores)."""
+    pin_cpus: bool | None = None
+    """Pin learner rank r to core r and replica i to core world_size + i (modulo the cores; a
+    hybrid worker to its bundle's cores). None: pin on machines without CUDA, where unpinned
+    the engine and Ray's helpers steal the learner's core and the learner bounds a step
+    (docs/speedup.md); never on GPUs, where an engine and its workers need more than a core."""
     max_restarts: int = 3
     """Times each replica is re-created after it dies before the run stops with its cause."""
     heartbeat_s: float = 2.0
@@ -595,14 +604,17 @@ def validate(cfg: Config) -> Config:
     if cfg.actor.ppo_mini_batch_size % cfg.learner.world_size:
         _fail("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
               f"must be divisible by learner.world_size={cfg.learner.world_size}")
-    longest = cfg.task.max_prompt_length + cfg.rollout.max_new_tokens
+    budget_key = "rollout.max_new_tokens"
+    budget = cfg.rollout.max_new_tokens
+    if cfg.task.long_tail and cfg.task.long_tail_tokens > budget:  # the toy task's long answers
+        budget_key, budget = "task.long_tail_tokens", cfg.task.long_tail_tokens
+    longest = cfg.task.max_prompt_length + budget
     if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < longest:
         _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
-              f"is below the longest sequence task.max_prompt_length + rollout.max_new_tokens"
-              f" = {longest}")
+              f"is below the longest sequence task.max_prompt_length + {budget_key} = {longest}")
     if longest > cfg.rollout.max_model_len:
         _fail("rollout.max_model_len", cfg.rollout.max_model_len,
-              f"is below task.max_prompt_length + rollout.max_new_tokens = {longest}")
+              f"is below task.max_prompt_length + {budget_key} = {longest}")
     low, high = cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high
     for key, value in (("actor.clip_ratio_low", low), ("actor.clip_ratio_high", high)):
         if value is not None and value < 0:
@@ -635,7 +647,7 @@ def validate(cfg: Config) -> Config:
         _fail("actor.tis_cap", cfg.actor.tis_cap,
               "cannot be combined with actor.recompute_log_prob=false (bypass): the "
               f"{cfg.actor.policy_loss!r} ratio already is the IS weight (policy_loss=reinforce "
-              "takes it)")
+              "takes it): set actor.tis_cap=null (truncated IS is on by default)")
     if not cfg.actor.recompute_log_prob and cfg.actor.policy_loss == "decoupled":
         _fail("actor.policy_loss", cfg.actor.policy_loss,
               "needs recomputed proximal log-probs: set actor.recompute_log_prob=true")
@@ -643,7 +655,8 @@ def validate(cfg: Config) -> Config:
         cfg.actor.tis_cap is not None or cfg.actor.icepop_low is not None
     ):
         _fail("actor.policy_loss", cfg.actor.policy_loss,
-              "already weights by proximal/behaviour: unset actor.tis_cap and actor.icepop_*")
+              "already weights by proximal/behaviour: set actor.tis_cap=null (truncated IS is on "
+              "by default) and unset actor.icepop_*")
     _check_mode(cfg)
     _check_dapo(cfg)
     _check_remax(cfg)

@@ -46,7 +46,9 @@ def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") ->
         if cfg.source == "toy":
             from streamrl.data.toy import load_toy_source
 
-            source = load_toy_source(cfg.name, size, seed, tokenizer, cfg.max_prompt_length)
+            # Validation keeps the plain budget: it measures the policy, not what steps cost.
+            source = load_toy_source(cfg.name, size, seed, tokenizer, cfg.max_prompt_length,
+                                     cfg.long_tail if train else 0.0, cfg.long_tail_tokens)
         else:
             from streamrl.data.reasoning_gym import load_reasoning_gym_source
 

@@ -20,6 +20,13 @@ compare against ``cross_reward``: the same response scored against *another* pro
 
 Because digits are single tokens, counting the digit character in the decoded response counts
 tokens exactly, which lets the reward run on text like every other reward function.
+
+Long tail (``task.long_tail``, ``task.long_tail_tokens``): a share of the training prompts
+carries its own response budget, ``extra['max_new_tokens']``, which the replica samples with
+and rep counts over. Real reasoning data has such a tail of long answers, and a sync step waits
+for its longest group, which is where overlapping generation with training pays most
+(benchmarks/modes.py). The prompts look the same (``d=``): the policy to learn does not change,
+only what a step costs.
 """
 
 from __future__ import annotations
@@ -78,20 +85,31 @@ def cross_reward(
 
 
 def load_toy_source(
-    task: str, size: int, seed: int, tokenizer: Any, max_prompt_length: int | None = None
+    task: str, size: int, seed: int, tokenizer: Any, max_prompt_length: int | None = None,
+    long_tail: float = 0.0, long_tail_tokens: int = 0,
 ) -> ListPromptSource:
     """``size`` prompts ``d=`` with digits drawn uniformly from ``seed``; prompts longer than
-    ``max_prompt_length`` tokens are skipped and counted, as every loader does."""
+    ``max_prompt_length`` tokens are skipped and counted, as every loader does. A share
+    ``long_tail`` of them asks for ``long_tail_tokens`` response tokens
+    (``extra['max_new_tokens']``) instead of ``rollout.max_new_tokens``."""
     _check_task(task)
     if size <= 0:
         raise ValueError(f"task.size={size}: must be > 0")
+    if not 0.0 <= long_tail <= 1.0:
+        raise ValueError(f"task.long_tail={long_tail}: must be a share in [0, 1]")
+    if long_tail and long_tail_tokens <= 0:
+        raise ValueError(f"task.long_tail_tokens={long_tail_tokens}: must be > 0 with "
+                         f"task.long_tail={long_tail}")
     digit_ids = digit_token_ids(tokenizer)
     eq_ids = list(tokenizer("=", add_special_tokens=False)["input_ids"])
     rng = random.Random(seed)
+    # Its own stream, so the digits stay those of the plain task with the same seed.
+    tail_rng = random.Random(f"long_tail/{seed}")
     prompts = []
     counter = SkipCounter(origin=f"toy/{task}(seed={seed})")
     for i in range(size):
         d = rng.randrange(10)
+        budget = {"max_new_tokens": long_tail_tokens} if tail_rng.random() < long_tail else {}
         ids = [digit_ids[d], *eq_ids]
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             counter.skip(i, "prompt longer than max_prompt_length",
@@ -99,7 +117,7 @@ def load_toy_source(
             continue
         prompts.append(Prompt(
             index=len(prompts), prompt_ids=ids, data_source=DATA_SOURCE_PREFIX + task,
-            ground_truth=str(d), extra={"task": task, "digit": d},
+            ground_truth=str(d), extra={"task": task, "digit": d, **budget},
         ))
     counter.summarize()
     return ListPromptSource(prompts, name=f"toy/{task}", skipped=dict(counter.counts))

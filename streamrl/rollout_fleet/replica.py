@@ -386,7 +386,7 @@ class Replica:
     async def _single_turn(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
         start = time.perf_counter()
         completions = await self._sample_with_retries(
-            prompt.prompt_ids, self.params, group_id, f"prompt {prompt.index}")
+            prompt.prompt_ids, self._params_for(prompt), group_id, f"prompt {prompt.index}")
         extra_info = self._extra_info(prompt)  # once per group: it decodes the prompt
         gen_s = time.perf_counter() - start
         return list(await asyncio.gather(
@@ -395,7 +395,7 @@ class Replica:
     async def _greedy_reward(self, prompt: PromptLike, group_id: str) -> float:
         """ReMax's baseline: the reward of one greedy response to the prompt, scored (and
         shaped) as the group's own responses are."""
-        params = dataclasses.replace(self.params, n=1, temperature=0.0)
+        params = dataclasses.replace(self._params_for(prompt), n=1, temperature=0.0)
         (c,) = await self._sample_with_retries(prompt.prompt_ids, params, f"{group_id}-greedy",
                                                f"the greedy baseline of prompt {prompt.index}")
         reward, _ = await self._score(prompt, c, self._extra_info(prompt))
@@ -537,6 +537,14 @@ class Replica:
             ground_truth=prompt.ground_truth, extra=dict(prompt.extra), metrics=metrics,
         )
 
+    def _params_for(self, prompt: PromptLike) -> SamplingParams:
+        """The group's sampling parameters: a prompt may carry its own response budget
+        (``extra['max_new_tokens']``, the toy task's long tail), which the scorer reads too."""
+        budget = prompt.extra.get("max_new_tokens")
+        if budget is None:
+            return self.params
+        return dataclasses.replace(self.params, max_tokens=int(budget))
+
     def _extra_info(self, prompt: PromptLike) -> dict[str, Any]:
         """What the scorer gets beside the response: rep-style rewards count over the token
         budget; prompt fields take precedence; reward models and judges read the prompt."""
@@ -560,7 +568,7 @@ class Replica:
             self.counters.reward_failures += 1
             reward = 0.0
         metrics = {"score_s": time.perf_counter() - start}
-        reward += self._overlong(len(c.token_ids), self.rollout.max_new_tokens, metrics)
+        reward += self._overlong(len(c.token_ids), self._params_for(prompt).max_tokens, metrics)
         return reward, metrics
 
     def _overlong(self, length: int, budget: int, metrics: dict[str, float]) -> float:

@@ -10,7 +10,8 @@ Parts:
 - ``supervisor``: notices dead or hung replicas, gives their admissions back, re-creates them,
 - ``build_runtime(cfg)`` (here): wires them up in ``setup`` order — shared buffer, learner
   ranks (rendezvous at an address rank 0 picks on its own node), replicas joined to the weight
-  bus (or hybrid workers: ranks first, then their engines inside the ranks' world) — and on exit stops every actor and shuts Ray down (``ray.shutdown``, never ``ray stop``).
+  bus (or hybrid workers: ranks first, then their engines inside the ranks' world) — and on
+  exit stops every actor and shuts Ray down (``ray.shutdown``, never ``ray stop``).
   The same config runs on one machine (``runtime.address`` unset: loopback) or on a cluster.
 
 Components never reference the runtime; it wires them and the controller drives them.

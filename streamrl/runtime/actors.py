@@ -24,7 +24,7 @@ from typing import Any
 from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
 from streamrl.net import free_port, interface_of, node_host
-from streamrl.runtime.placement import pin_to_core
+from streamrl.runtime.placement import pin_to_core, pins_cpus
 from streamrl.runtime.supervisor import holder_name
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class LearnerActor:
         from streamrl.learner.worker import LearnerWorker
         from streamrl.weight_bus import make_publisher
 
-        if self.cfg.runtime.pin_cpus:
+        if pins_cpus(self.cfg):
             pin_to_core(self.rank)
         if self.cfg.runtime.address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
             # gloo binds where the hostname resolves (often loopback): use the node's interface.
@@ -164,7 +164,7 @@ class ReplicaActor:
         from streamrl.rollout_fleet.rewards import make_reward_scorer
 
         cfg = self.cfg
-        if cfg.runtime.pin_cpus:
+        if pins_cpus(cfg):
             pin_to_core(cfg.learner.world_size + self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = self._make_engine()

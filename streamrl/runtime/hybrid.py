@@ -38,7 +38,7 @@ from ray.util.placement_group import PlacementGroup
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import Config, replace
 from streamrl.runtime.actors import LearnerActor, ReplicaActor
-from streamrl.runtime.placement import in_bundle, pin_to_core
+from streamrl.runtime.placement import in_bundle, pin_to_core, pins_cpus
 from streamrl.runtime.supervisor import holder_name
 
 
@@ -58,7 +58,7 @@ class HybridActor(ReplicaActor):
 
     def __init__(self, cfg: Config, rank: int, buffer: ReplayBuffer, holder: str | None = None,
                  reward_servers: dict[str, Any] | None = None) -> None:
-        self.pinned = cfg.runtime.pin_cpus
+        self.pinned = pins_cpus(cfg)
         # This actor pins itself to its bundle's cores; its two parts must not pin one each.
         cfg = replace(cfg, **{"runtime.pin_cpus": False})
         super().__init__(cfg, rank, buffer, None, holder, reward_servers)

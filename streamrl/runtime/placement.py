@@ -7,7 +7,7 @@
   by its ``runtime.<pool>`` strategy (PACK / SPREAD ...) and node labels,
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
-- ``pin_to_core(slot, width)``: optional core pinning (``runtime.pin_cpus``).
+- ``pins_cpus(cfg)``, ``pin_to_core(slot, width)``: core pinning (``runtime.pin_cpus``).
 
 Depends on config only.
 """
@@ -138,6 +138,15 @@ def _nodes() -> str:
 
 def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
+def pins_cpus(cfg: Config) -> bool:
+    """``runtime.pin_cpus``; unset: only on machines without CUDA (CPU engines)."""
+    if cfg.runtime.pin_cpus is not None:
+        return cfg.runtime.pin_cpus
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def pin_to_core(slot: int, width: int = 1) -> None:

@@ -132,6 +132,19 @@ def test_toy_source_and_rewards(tokenizer):
         make_prompt_source(TaskConfig(source="toy", name="add"), tokenizer, "train")
 
 
+def test_toy_long_tail_budgets_a_share_of_training_prompts_only(tokenizer):
+    plain = make_prompt_source(TaskConfig(source="toy", size=400, seed=3), tokenizer, "train")
+    cfg = TaskConfig(source="toy", size=400, seed=3, long_tail=0.25, long_tail_tokens=64)
+    tail = make_prompt_source(cfg, tokenizer, "train")
+    budgets = [p.extra.get("max_new_tokens") for p in tail]
+    assert set(budgets) == {None, 64} and 70 < budgets.count(64) < 130
+    # the digits stay those of the plain task, so the variants differ only in budgets
+    assert [p.ground_truth for p in tail] == [p.ground_truth for p in plain]
+    # rep counts over the prompt's own budget (the replica passes extra_info on)
+    assert toy_reward("rep", "7" * 8, "7", max_new_tokens=64) == 0.125
+    assert all("max_new_tokens" not in p.extra for p in make_prompt_source(cfg, tokenizer, "val"))
+
+
 def _source(n: int) -> ListPromptSource:
     return ListPromptSource([Prompt(i, [i], "t", None, {}) for i in range(n)])
 

@@ -79,7 +79,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) 
     batch = make_batch()
     results = {}
     for name, overrides in splits.items():
-        worker = make_worker(tiny_model_dir, tmp_path, **{"actor.grad_clip": 0.0, **overrides})
+        # Without the (default) truncated IS weights: this is about the split, not the weights.
+        worker = make_worker(tiny_model_dir, tmp_path, **{
+            "actor.grad_clip": 0.0, "actor.tis_cap": None, **overrides})
         prepared = with_advantages(worker.prepare(batch), worker.cfg)
         metrics = worker.update(prepared)
         results[name] = (metrics, weights(worker), prepared["old_log_probs"])
@@ -98,9 +100,10 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) 
 @pytest.mark.parametrize("overrides", [
     {"actor.policy_loss": "gspo"},
     {"actor.policy_loss": "cispo"},
-    {"actor.policy_loss": "decoupled"},
+    {"actor.policy_loss": "decoupled", "actor.tis_cap": None},
     {"actor.tis_cap": 2.0, "actor.clip_ratio_high": 0.28},
-    {"actor.icepop_low": 0.5, "actor.icepop_high": 2.0, "actor.recompute_log_prob": False},
+    {"actor.icepop_low": 0.5, "actor.icepop_high": 2.0, "actor.recompute_log_prob": False,
+     "actor.tis_cap": None},
     {"actor.rejection_low": 0.5, "actor.rejection_high": 2.0,
      "actor.loss_agg_mode": "seq-mean-token-sum-norm", "actor.entropy_coeff": 0.01},
     {"actor.rollout_rs": "token_k1,seq_mean_k3", "actor.rollout_rs_threshold": "0.95_1.05,0.01",
@@ -119,7 +122,7 @@ def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
     metrics = worker.update(with_advantages(prepared, worker.cfg))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
     assert metrics["actor/skipped_steps"] == 0 and max_diff(weights(worker), before) > 0
-    if "actor.tis_cap" in overrides or "actor.icepop_low" in overrides:
+    if worker.cfg.actor.tis_cap is not None or "actor.icepop_low" in overrides:
         assert "rollout_corr/kl" in metrics
     if "actor.rollout_rs" in overrides:  # |noise| > ~0.05 fails token_k1: some, not all
         assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1, metrics
