@@ -17,7 +17,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,38 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path)
     return value
 
 
+@contextmanager
+def train_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``streamrl train args`` in a session of its own, its output in ``log``; killed with all
+    its processes if still running when the block ends."""
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "train", *args],
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def kill_and_wait(proc: subprocess.Popen[bytes], victim: psutil.Process) -> tuple[int, float]:
+    """Kill ``victim``: the run's exit code, and the seconds it took to end after that."""
+    victim.kill()
+    killed_at = time.monotonic()
+    code = proc.wait(timeout=RUN_TIMEOUT_S)
+    return code, time.monotonic() - killed_at
+
+
+def assert_none_left(family: set[psutil.Process]) -> None:
+    """Nothing of the run outlives it (30 s to go)."""
+    deadline = time.monotonic() + 30
+    while (left := [p for p in family if p.is_running() and p.status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
+
+
 def replica_actor(driver: psutil.Process, title: str = "ray::ReplicaActor"
                   ) -> psutil.Process | None:
     for p in driver.children(recursive=True):
@@ -60,15 +93,12 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "train.log"
     metrics = out / "metrics.jsonl"
-    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
-            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
-            f"trainer.output_dir={out}", "runtime.max_restarts=1", "runtime.heartbeat_s=1"]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    driver = psutil.Process(proc.pid)
+    args = [f"model.path={tiny_model_dir}", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
+            "trainer.total_steps=1000", f"trainer.output_dir={out}", "runtime.max_restarts=1",
+            "runtime.heartbeat_s=1"]
     family: set[psutil.Process] = set()
-    try:
+    with train_process(args, log) as proc:
+        driver = psutil.Process(proc.pid)
         first = wait_for(lambda: replica_actor(driver), 240, "a replica actor", log)
         wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log)
         family |= set(driver.children(recursive=True))
@@ -85,14 +115,7 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
         family |= set(driver.children(recursive=True))
 
         # Hopeless: restarts used up, the run stops with one line naming replica and cause.
-        second.kill()
-        killed_at = time.monotonic()
-        code = proc.wait(timeout=RUN_TIMEOUT_S)
-        stopped_after_s = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code, stopped_after_s = kill_and_wait(proc, second)
     text = log.read_text(errors="replace")
     assert "replica-0: its actor died" in text and "re-created (incarnation 1)" in text
     assert code == 3, text[-3000:]
@@ -105,13 +128,7 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
     assert len(stopped) == 1 and stopped[0] in driver_lines[-5:], driver_lines[-10:]
     assert stopped[0].startswith("streamrl: run stopped: replica-0 its actor died"), stopped
     assert "runtime.max_restarts=1" in stopped[0], stopped
-
-    # Nothing of the run outlives it.
-    deadline = time.monotonic() + 30
-    while (left := [p for p in family if p.is_running() and p.status() != "zombie"]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
+    assert_none_left(family)
 
 
 def test_sigterm_stops_the_run_cleanly_and_leaves_no_process(
@@ -119,22 +136,14 @@ def test_sigterm_stops_the_run_cleanly_and_leaves_no_process(
     """SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: one line, exit 143, nothing left
     (Ray's own handler would abort the driver and orphan its workers)."""
     out, log = tmp_path / "out", tmp_path / "train.log"
-    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
-            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
-            f"trainer.output_dir={out}"]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    driver = psutil.Process(proc.pid)
-    try:
+    args = [f"model.path={tiny_model_dir}", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
+            "trainer.total_steps=1000", f"trainer.output_dir={out}"]
+    with train_process(args, log) as proc:
+        driver = psutil.Process(proc.pid)
         wait_for(lambda: steps_logged(out / "metrics.jsonl"), 240, "a training step", log)
         family = set(driver.children(recursive=True))
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     text = log.read_text(errors="replace")
     assert code == 128 + signal.SIGTERM, text[-3000:]
     assert "streamrl: interrupted (SIGTERM); the run's processes were stopped" in text
@@ -145,27 +154,16 @@ def test_sigterm_stops_the_run_cleanly_and_leaves_no_process(
 def test_a_killed_hybrid_worker_stops_the_run_at_once(tmp_path: Path, tiny_model_dir: Path
                                                       ) -> None:
     out, log = tmp_path / "out", tmp_path / "train.log"
-    args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={tiny_model_dir}",
-            "runtime.num_cpus=2", "trainer.logger=[jsonl]", "trainer.total_steps=1000",
-            "trainer.mode=sync", "runtime.placement=colocated", "weight_bus.backend=colocated",
-            f"trainer.output_dir={out}", "runtime.heartbeat_s=1"]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    driver = psutil.Process(proc.pid)
-    try:
+    args = [f"model.path={tiny_model_dir}", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
+            "trainer.total_steps=1000", "trainer.mode=sync", "runtime.placement=colocated",
+            "weight_bus.backend=colocated", f"trainer.output_dir={out}", "runtime.heartbeat_s=1"]
+    with train_process(args, log) as proc:
+        driver = psutil.Process(proc.pid)
         worker = wait_for(lambda: replica_actor(driver, "ray::HybridActor"), 240,
                           "a hybrid worker", log)
         wait_for(lambda: len(steps_logged(out / "metrics.jsonl")) >= 2, 240, "2 steps", log)
         family = set(driver.children(recursive=True))
-        worker.kill()
-        killed_at = time.monotonic()
-        code = proc.wait(timeout=RUN_TIMEOUT_S)
-        stopped_after_s = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code, stopped_after_s = kill_and_wait(proc, worker)
     text = log.read_text(errors="replace")
     assert code == 3, text[-3000:]
     assert stopped_after_s < 60, stopped_after_s
@@ -174,8 +172,4 @@ def test_a_killed_hybrid_worker_stops_the_run_at_once(tmp_path: Path, tiny_model
     # Whichever noticed first: the learner call that lost its rank, or the supervisor.
     assert "learner rank 0 died" in stopped[0] or "is not re-created" in stopped[0], stopped
     assert "trainer.resume=auto" in stopped[0], stopped
-    deadline = time.monotonic() + 30
-    while (left := [p for p in family if p.is_running() and p.status() != "zombie"]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
+    assert_none_left(family)
