@@ -3,10 +3,11 @@
 Each mode must raise the toy task's mean reward over its first steps while every consumed
 batch respects the mode's staleness bound (fully_async on an emulated three-node Ray cluster,
 where no rendezvous may bind loopback), and so must ``algorithm=dapo`` while training on
-informative groups only (``algorithm=remax`` too, run by hand: it learns slowly on the sparse
-toy task); one run uses a real redis-server buffer; a run killed mid-training (SIGKILL of the
-whole process group) resumes from its checkpoint; a co-located hybrid run (learner and engine in
-one actor, weights swapped in place) learns, validates, checkpoints and resumes.
+informative groups only, and so must ``algorithm=remax`` from an SFT warm start (its greedy
+baseline needs a policy that already answers); one run uses a real redis-server buffer; a run
+killed mid-training (SIGKILL of the whole process group) resumes from its checkpoint; a
+co-located hybrid run (learner and engine in one actor, weights swapped in place) learns,
+validates, checkpoints and resumes.
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ import torch
 
 from streamrl.config import load_config
 from streamrl.controller import Controller, TrainResult, run_training
+from streamrl.data.sft_toy import write_toy_sft
+from streamrl.sft import load_sft_config, run_sft
 from tests.support.cluster import emulated_cluster, node_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS = 30
 DAPO_STEPS = 16
-REMAX_STEPS = 60
+REMAX_STEPS = 24
+REMAX_SFT_STEPS = 30
 # A faster learning rate than the demo default so the rise shows within STEPS updates.
 COMMON = ["runtime.num_cpus=2", "trainer.logger=[jsonl]", "actor.optim.lr=3e-3",
           "task.train_batch_size=16", "actor.ppo_mini_batch_size=16"]
@@ -156,25 +160,35 @@ def test_dapo_learns_with_dynamic_sampling(tmp_path: Path, tiny_model_dir: Path)
     assert last > first + 0.1, rewards
 
 
-# Run by hand (pytest -m manual tests/test_e2e.py -k remax): ReMax's advantage is the reward
-# minus the greedy response's, unnormalized, so on the sparse toy task (most rewards 0, a hit
-# 1/8) it learns slowly and unreliably: in one run of these 60 sync steps (70 s) the reward went
-# 0.005 over the first 10 steps -> 0.057 over the last 10 (late steps bouncing between 0.0 and
-# 0.17); a second run failed the bar; 40 steps rose only to 0.02; lr 1e-2 / 3e-2 did not learn;
-# with the dense tiny reward model (reward.kind=model) the greedy baseline rose to 0.28 while the
-# samples stayed near 0.01, so nearly every advantage was negative. GRPO passes in 30 steps.
-@pytest.mark.manual
+# ReMax's baseline is the reward of the greedy response, which helps only while the greedy
+# response is typical of the samples. From the tiny random model (5.75 nats per token, uniform is
+# 5.77) it is not: as soon as the digit leads its argmax, the greedy response copies it to all 8
+# tokens and scores 1.0 while the samples average 0.01, every advantage of that group is about -1,
+# and 60 sync steps ended at reward 0.015 / 0.022 / 0.025 (last 10 steps); scored against
+# another prompt's digit, the last run got 0.023 too: collapse, not learning. So ReMax starts, as
+# its paper and verl's recipe (an Instruct model) do, from a policy that answers: 30 SFT steps
+# (~2 s) on the chat-format toy task give samples 0.52 against a greedy 1.0. The learning rate is
+# 10x below COMMON's: every advantage is <= 0 there, and Adam's first steps move each weight by
+# ~lr whatever the gradient's size, so at 3e-3 one update took 40-step SFT samples from 0.88 to
+# 0.06. Measured: reward 0.558 -> 0.756 (first 4 -> last 4 steps), another prompt's digit 0.010.
 def test_remax_learns_against_its_greedy_baseline(tmp_path: Path, tiny_model_dir: Path) -> None:
-    cfg = load_config([*COMMON, f"model.path={tiny_model_dir}", "algorithm=remax",
+    data = write_toy_sft(tmp_path / "toy.parquet", size=256)
+    sft = run_sft(load_sft_config([
+        f"data.train_files=[{data}]", f"model.path={tiny_model_dir}", "optim.lr=3e-3",
+        f"trainer.output_dir={tmp_path / 'sft'}", f"trainer.total_steps={REMAX_SFT_STEPS}"]))
+    cfg = load_config([*COMMON, f"model.path={sft}", "task.source=parquet",
+                       f"task.train_files=[{data}]", "algorithm=remax", "actor.optim.lr=3e-4",
                        "trainer.mode=sync", f"trainer.total_steps={REMAX_STEPS}",
-                       f"trainer.output_dir={tmp_path}"])
+                       f"trainer.output_dir={tmp_path / 'rl'}"])
     history = run_training(cfg).history
     assert [h["step"] for h in history] == list(range(1, REMAX_STEPS + 1))
-    assert all(0.0 <= h["reward/greedy_baseline"] <= 1.0 for h in history)
+    greedy = [h["reward/greedy_baseline"] for h in history]
+    assert all(0.0 <= g <= 1.0 for g in greedy)
     rewards = [h["reward/mean"] for h in history]
-    first, last = _mean(rewards[:10]), _mean(rewards[-10:])
-    print(f"remax: reward {first:.3f} -> {last:.3f}")
-    assert last > first + 0.02 and last > 2 * first, rewards
+    first, last = _mean(rewards[:4]), _mean(rewards[-4:])
+    print(f"remax: reward {first:.3f} -> {last:.3f}, greedy {greedy[0]:.3f} -> {greedy[-1]:.3f}")
+    # From ~0.55 up: a policy collapsed onto one digit would earn ~0.1, so this reads the prompt.
+    assert last > first + 0.1, rewards
 
 
 def test_redis_buffer_end_to_end(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
