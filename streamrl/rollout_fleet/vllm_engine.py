@@ -391,7 +391,9 @@ class VLLMEngine(RolloutEngine):
     async def pause(self) -> None:
         """Freeze in-flight requests between steps (they keep their state) until ``resume``."""
         if not self._paused:
-            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            # Not AsyncLLM.pause_generation: it sleeps 20 ms after the scheduler paused (only to
+            # order late outputs for its caller), which every swap would spend not sampling.
+            await self._llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
             self._paused = True
 
     async def resume(self) -> None:

@@ -1,10 +1,21 @@
-"""Flat weight buckets: pack named tensors lazily into per-dtype byte buffers, unpack as views.
+"""Flat weight buckets: the layout of one model's weights on the bus, and packing into it.
 
 Parts:
-- ``BucketPacker.pack(named_tensors)``: consumes the iterator one tensor at a time and yields a
-  ``Bucket`` (a ``BucketSpec`` + a flat ``uint8`` tensor) as soon as one is full, so a learner
-  that gathers FSDP shards one parameter at a time holds at most the open bucket of each dtype
-  plus the buckets still on the wire. Released buffers are reused (double buffering).
+- ``BucketPacker.pack(named_tensors)``: lays out a version with no plan yet (the first): consumes
+  the iterator one tensor at a time and yields a ``Bucket`` (a ``BucketSpec`` + a flat ``uint8``
+  tensor) as soon as one is full, so a learner that gathers FSDP shards one parameter at a time
+  holds at most the open bucket of each dtype plus the buckets still on the wire. Released
+  buffers are reused (double buffering).
+- ``BucketPlan``: that layout, made once per model from the first version and reused by every
+  later one: the buckets (fixed sizes and offsets), the order the learner yields the weights in,
+  and the ``Segment`` s (byte ranges of a bucket, at most ``chunk_bytes``: a large weight or a
+  piece of one, or a run of small weights) each version goes out in. Both sides know it, so a
+  planned version carries no per-bucket header and a receiver posts every receive at once.
+- ``PlannedPacker.segments(named_tensors)``: the data of each segment of a planned version, in
+  wire order, as soon as its last weight arrives; a view of the learner's own memory where the
+  segment is one contiguous run of same-dtype bytes there (zero-copy), else copied into the kept
+  copy of the version or into a pooled staging buffer. ``LayoutChanged`` when the weights do
+  not follow the plan.
 - ``unpack(spec, data)``: the named tensors of a received bucket, as views into ``data`` (no copy).
 - ``dtype_name`` / ``dtype_from_name``: the dtype strings on the wire (a closed whitelist).
 
@@ -16,15 +27,19 @@ pure torch and depends only on ``streamrl.types``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from streamrl.types import BucketSpec, TensorSpec
 
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket (any dtype view is legal at this offset)."""
+SMALL_BYTES = 1 << 20
+"""Below this, weights share broadcasts (each has a fixed cost); larger ones go alone, which
+lets them go out zero-copy."""
 
 _WIRE_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -141,9 +156,10 @@ class BucketPacker:
         open_buckets: dict[torch.dtype, _Open] = {}
         seen: set[str] = set()
         for name, tensor in named_tensors:
-            tensor = self._check(name, tensor, seen)
-            if self.cast_dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self.cast_dtype)
+            tensor = _cast(_checked(name, tensor), self.cast_dtype)
+            if name in seen:
+                raise ValueError(f"weight name={name!r}: appears twice in one version")
+            seen.add(name)
             nbytes = tensor.numel() * tensor.element_size()
             current = open_buckets.get(tensor.dtype)
             if current is not None and not current.fits(nbytes):
@@ -164,23 +180,212 @@ class BucketPacker:
         for current in open_buckets.values():
             yield current.close()
 
-    @staticmethod
-    def _check(name: object, tensor: object, seen: set[str]) -> torch.Tensor:
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"weight name={name!r}: must be a non-empty str")
-        if name in seen:
-            raise ValueError(f"weight name={name!r}: appears twice in one version")
-        seen.add(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(
-                f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
-            )
-        if type(tensor).__name__ == "DTensor":
-            raise TypeError(
-                f"weight {name!r} is a DTensor shard: publish full tensors (call p.full_tensor() "
-                "on every FSDP rank and pass the result on rank 0)"
-            )
-        return tensor.detach()
+
+def _checked(name: object, tensor: object) -> torch.Tensor:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"weight name={name!r}: must be a non-empty str")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"weight {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if type(tensor).__name__ == "DTensor":
+        raise TypeError(
+            f"weight {name!r} is a DTensor shard: publish full tensors (call p.full_tensor() "
+            "on every FSDP rank and pass the result on rank 0)"
+        )
+    return tensor.detach()
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+class Segment(msgspec.Struct, array_like=True, frozen=True):
+    """One broadcast of a planned version: bytes ``[start, end)`` of bucket ``bucket``."""
+
+    bucket: int
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class BucketPlan(msgspec.Struct, kw_only=True, frozen=True):
+    """The layout every version of one model follows on the bus (see the module docstring)."""
+
+    buckets: tuple[BucketSpec, ...]
+    order: tuple[tuple[int, int], ...]
+    """(bucket, tensor index in it) of each weight, in the order the learner yields them."""
+    segments: tuple[Segment, ...]
+    """In wire order: each one is complete once the learner yielded its last weight."""
+
+    @classmethod
+    def build(cls, buckets: Sequence[BucketSpec], names: Sequence[str], chunk_bytes: int,
+              alone_bytes: int = SMALL_BYTES) -> BucketPlan:
+        """The plan of the version laid out in ``buckets``, whose weights came as ``names``;
+        weights of ``alone_bytes`` or more get broadcasts of their own (see ``_segments``)."""
+        where = {t.name: (b, j) for b, spec in enumerate(buckets)
+                 for j, t in enumerate(spec.tensors)}
+        if sorted(where) != sorted(names):
+            raise ValueError("a bucket plan needs the name of every weight in its buckets, once")
+        order = tuple(where[name] for name in names)
+        return cls(buckets=tuple(buckets), order=order,
+                   segments=_segments(buckets, order, chunk_bytes, alone_bytes))
+
+    def tensor(self, index: int) -> TensorSpec:
+        """The spec of the ``index``-th weight the learner yields."""
+        bucket, j = self.order[index]
+        return self.buckets[bucket].tensors[j]
+
+
+def _nbytes(spec: TensorSpec) -> int:
+    return spec.numel * dtype_from_name(spec.dtype).itemsize
+
+
+def _segments(buckets: Sequence[BucketSpec], order: Sequence[tuple[int, int]],
+              chunk_bytes: int, alone_bytes: int) -> tuple[Segment, ...]:
+    """Cut a version into broadcasts of at most ``chunk_bytes``: each weight of ``alone_bytes``
+    or more alone, in chunk-sized pieces (each can go out as a view of the learner's memory);
+    runs of smaller consecutive weights of one bucket (adjacent there: a bucket fills in yield
+    order), ended where the next weight goes to another bucket, so segments complete in wire
+    order."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be > 0")
+    out: list[Segment] = []
+    run: Segment | None = None
+    for bucket, j in order:
+        spec = buckets[bucket].tensors[j]
+        start, end = spec.offset, spec.offset + _nbytes(spec)
+        if start == end:
+            continue  # nothing to send for an empty tensor
+        alone = end - start >= min(alone_bytes, chunk_bytes)
+        if run is not None and not alone and run.bucket == bucket \
+                and end - run.start <= chunk_bytes:
+            run = Segment(bucket, run.start, end)
+            continue
+        if run is not None:
+            out.append(run)
+            run = None
+        pieces = [Segment(bucket, a, min(a + chunk_bytes, end))
+                  for a in range(start, end, chunk_bytes)]
+        if alone:
+            out.extend(pieces)
+        else:
+            run = pieces[0]
+    if run is not None:
+        out.append(run)
+    return tuple(out)
+
+
+class LayoutChanged(ValueError):
+    """A version's weights do not follow the bucket plan made from the first version."""
+
+
+@dataclass
+class Outgoing:
+    """The data of one segment, ready for the wire."""
+
+    index: int
+    data: torch.Tensor
+    staging: torch.Tensor | None = None
+    """The pooled buffer ``data`` was copied into, handed back by ``PlannedPacker.release``."""
+
+
+@dataclass
+class _Part:
+    data: torch.Tensor
+    """The weight's bytes (flat uint8, contiguous)."""
+    offset: int
+    """Where they start in their bucket."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.data.numel()
+
+
+class PlannedPacker:
+    """Produces the segments of a version that follows ``plan`` (lazily, in wire order).
+
+    With ``kept`` (one flat buffer per bucket of the plan) every weight is copied there: that copy
+    is the version the publisher keeps for late joiners, and the segments are views of it.
+    Without it a segment that is one contiguous run of bytes in the learner's memory (one weight,
+    or same-dtype weights laid out there as in the bucket) goes out as a view of that memory;
+    any other is copied into a staging buffer from ``pool``. ``device`` is the weight group's.
+    """
+
+    def __init__(self, plan: BucketPlan, *, device: torch.device,
+                 cast_dtype: torch.dtype | None = None, kept: list[torch.Tensor] | None = None,
+                 pool: BufferPool | None = None) -> None:
+        if kept is not None and [k.numel() for k in kept] != [b.nbytes for b in plan.buckets]:
+            raise ValueError("kept buffers do not match the plan's buckets")
+        self.plan, self.device, self.cast_dtype, self.kept = plan, device, cast_dtype, kept
+        self.pool = pool if pool is not None else BufferPool()
+
+    def release(self, out: Outgoing) -> None:
+        """Hand a sent segment's staging buffer back for reuse."""
+        if out.staging is not None:
+            self.pool.give(out.staging)
+
+    def segments(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[Outgoing]:
+        """Yield each segment as soon as its last weight arrived; ``LayoutChanged`` on drift."""
+        plan, cursor, count = self.plan, 0, 0
+        parts: list[_Part] = []  # weights whose bytes are not all sent yet
+        for index, (name, tensor) in enumerate(named_tensors):
+            count = index + 1
+            part = self._part(index, name, tensor)
+            if part.data.numel() == 0:
+                continue
+            parts.append(part)
+            bucket = plan.order[index][0]
+            while (cursor < len(plan.segments) and plan.segments[cursor].bucket == bucket
+                   and plan.segments[cursor].end <= part.end):
+                segment = plan.segments[cursor]
+                yield self._fill(cursor, segment, [p for p in parts if p.offset < segment.end])
+                parts = [p for p in parts if p.end > segment.end]
+                cursor += 1
+        if count != len(plan.order):
+            raise LayoutChanged(f"the version has {count} weights, the bucket plan "
+                                f"{len(plan.order)}")
+
+    def _part(self, index: int, name: str, tensor: object) -> _Part:
+        tensor = _cast(_checked(name, tensor), self.cast_dtype)
+        if index >= len(self.plan.order):
+            raise LayoutChanged(f"weight #{index} {name!r} is beyond the bucket plan's "
+                                f"{len(self.plan.order)} weights")
+        spec = self.plan.tensor(index)
+        got = (name, tuple(tensor.shape), dtype_name(tensor.dtype))
+        if got != (spec.name, spec.shape, spec.dtype):
+            raise LayoutChanged(f"weight #{index} is {got}, the bucket plan expects "
+                                f"{(spec.name, spec.shape, spec.dtype)}")
+        return _Part(tensor.contiguous().reshape(-1).view(torch.uint8), spec.offset)
+
+    def _fill(self, index: int, segment: Segment, parts: list[_Part]) -> Outgoing:
+        if self.kept is None and (view := self._view(segment, parts)) is not None:
+            return Outgoing(index, view)
+        staging = None
+        if self.kept is not None:
+            dest = self.kept[segment.bucket][segment.start: segment.end]
+        else:
+            dest = staging = self.pool.take(segment.nbytes, self.device)
+        for p in parts:
+            lo, hi = max(segment.start, p.offset), min(segment.end, p.end)
+            dest[lo - segment.start: hi - segment.start].copy_(p.data[lo - p.offset: hi - p.offset])
+        return Outgoing(index, dest, staging)
+
+    def _view(self, segment: Segment, parts: list[_Part]) -> torch.Tensor | None:
+        """``segment``'s bytes as a view of the learner's memory, when they lie there as in the
+        bucket (same storage, same relative offsets, on the group's device); else None."""
+        first = parts[0].data
+        storage = first.untyped_storage()
+        base = first.data_ptr() - parts[0].offset  # the address bucket offset 0 maps to
+        for p in parts:
+            if (p.data.device != self.device or p.data.data_ptr() - p.offset != base
+                    or p.data.untyped_storage().data_ptr() != storage.data_ptr()):
+                return None
+        start = base + segment.start - storage.data_ptr()
+        if start < 0 or start + segment.nbytes > storage.nbytes():
+            return None
+        return first.as_strided((segment.nbytes,), (1,), start)
 
 
 def unpack(spec: BucketSpec, data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

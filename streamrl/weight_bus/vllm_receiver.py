@@ -6,13 +6,15 @@ Parts:
   ``stage_begin`` joins the announced weight-group generation from the worker and receives the
   version in a background thread (the engine keeps sampling meanwhile); ``stage_poll`` reports
   progress; ``commit_staged`` loads the staged tensors with ``load_into_worker``
-  (``model_runner.reload_weights`` on CPU, ``model.load_weights`` on GPU); ``discard_staged``.
+  (``model_runner.reload_weights`` on CPU, ``model.load_weights`` on GPU) and returns how long
+  that took (the engine's own reload, the floor of any swap); ``discard_staged``.
 - ``VLLMWorkerLanding``: the ``Landing`` that drives those functions from the replica process.
 - ``StagedWeights``: what the sink receives: a handle to a version staged in the worker.
   ``await staged.load_into(engine, version)`` swaps it in through
   ``engine.load_weights_with`` (pause, load, reset KV cache, adopt version, resume), so the pause a
-  replica sees is the reload only, not the transfer. A replica's update entry point should call
-  ``load_into`` when the weights it gets have it, and ``engine.load_weights`` otherwise.
+  replica sees is the reload plus a few engine round trips, not the transfer. A replica's update
+  entry point should call ``load_into`` when the weights it gets have it, and
+  ``engine.load_weights`` otherwise.
 - ``VLLMReceiver``: ``CollectiveReceiver`` with this landing; its default sink is ``load_into``.
 
 One worker per engine (tensor_parallel_size=1): the worker is one rank of the weight group.
@@ -87,15 +89,16 @@ def stage_poll(worker: Any, publish_id: str) -> tuple[str, bytes]:
     return "done", encode(stage.manifest)
 
 
-def commit_staged(worker: Any, publish_id: str) -> int:
-    """Load a staged version into the worker's model; returns the number of tensors loaded."""
+def commit_staged(worker: Any, publish_id: str) -> float:
+    """Load a staged version into the worker's model; returns the seconds the load took."""
     from streamrl.rollout_fleet.vllm_engine import load_into_worker
 
     stage = _STAGES.pop(publish_id, None)
     if stage is None or not stage.done.is_set() or stage.error:
         raise RuntimeError(f"weight bus: no completed staged version {publish_id} in this worker")
+    start = time.perf_counter()
     load_into_worker(worker, stage.tensors)
-    return len(stage.tensors)
+    return time.perf_counter() - start
 
 
 def discard_staged(worker: Any, publish_id: str) -> bool:

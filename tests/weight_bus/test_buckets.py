@@ -1,4 +1,5 @@
-"""Bucket packing: lazy, per-dtype, pooled; unpacking returns views; bad input fails clearly."""
+"""Bucket packing: lazy, per-dtype, pooled; unpacking returns views; bad input fails clearly;
+the bucket plan later versions follow (segments, zero-copy, drift named)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import pytest
 import torch
 
 from streamrl.types import BucketSpec, TensorSpec
-from streamrl.weight_bus.buckets import ALIGN, BucketPacker, dtype_from_name, unpack
+from streamrl.weight_bus.buckets import (
+    ALIGN,
+    BucketPacker,
+    BucketPlan,
+    LayoutChanged,
+    PlannedPacker,
+    dtype_from_name,
+    unpack,
+)
 from tests.support.weights import digest, make_state
 
 
@@ -90,3 +99,66 @@ def test_bad_specs_are_rejected() -> None:
         unpack(BucketSpec(dtype="float32", nbytes=8, tensors=()), bucket.data)
     with pytest.raises(ValueError, match="not a weight-bus dtype"):
         dtype_from_name("object")
+
+
+# -- the bucket plan: made from the first version, followed by every later one ----------------
+def planned(state: dict[str, torch.Tensor], bucket_bytes: int, chunk_bytes: int) -> BucketPlan:
+    buckets = [b.spec for b in BucketPacker(bucket_bytes).pack(state.items())]
+    return BucketPlan.build(buckets, list(state), chunk_bytes)
+
+
+def test_plan_cuts_segments_at_weights_chunks_and_bucket_changes() -> None:
+    state = {"a": torch.ones(16), "b": torch.ones(16), "big": torch.ones(100),
+             "h": torch.ones(4, dtype=torch.bfloat16), "c": torch.ones(2)}
+    plan = planned(state, bucket_bytes=1 << 20, chunk_bytes=160)
+    assert [len(b.tensors) for b in plan.buckets] == [4, 1]  # float32, bfloat16
+    # a+b merge (64 + 64 bytes); big (400 bytes) goes in 160-byte pieces, its tail alone since
+    # the next weight is in the other bucket; c (after h) opens a new run.
+    assert [(s.bucket, s.start, s.end) for s in plan.segments] == [
+        (0, 0, 128), (0, 128, 288), (0, 288, 448), (0, 448, 528), (1, 0, 8), (0, 576, 584)]
+    assert plan.tensor(3).name == "h" and plan.order[4] == (0, 3)
+
+
+def test_planned_versions_roundtrip_kept_or_zero_copy() -> None:
+    state, plan = make_state(1), planned(make_state(0), bucket_bytes=20_000, chunk_bytes=4096)
+    for kept in ([torch.empty(b.nbytes, dtype=torch.uint8) for b in plan.buckets], None):
+        packer = PlannedPacker(plan, device=torch.device("cpu"), kept=kept)
+        received = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in plan.buckets]
+        outs = list(packer.segments(state.items()))
+        assert [o.index for o in outs] == list(range(len(plan.segments)))  # in wire order
+        for out, seg in zip(outs, plan.segments, strict=True):
+            received[seg.bucket][seg.start: seg.end].copy_(out.data)
+            if kept is not None:  # every segment is a view of the kept copy
+                assert out.data.data_ptr() == kept[seg.bucket][seg.start:].data_ptr()
+        got = [pair for spec, data in zip(plan.buckets, received, strict=True)
+               for pair in unpack(spec, data)]
+        assert digest(sorted(got)) == digest(sorted(state.items()))
+
+
+def test_contiguous_same_dtype_weights_go_out_zero_copy() -> None:
+    flat = torch.arange(64 * 3, dtype=torch.float32)  # three weights laid out as in a bucket
+    state = {f"w{i}": flat[64 * i: 64 * (i + 1)].view(8, 8) for i in range(3)}
+    state["alone"] = torch.randn(8, 8).t()  # not contiguous: copied
+    plan = planned(state, bucket_bytes=1 << 20, chunk_bytes=1 << 20)
+    assert len(plan.segments) == 1
+    packer = PlannedPacker(plan, device=torch.device("cpu"))
+    [out] = list(packer.segments(state.items()))
+    assert out.staging is not None  # "alone" lies elsewhere: the segment is staged
+    plan = planned({k: v for k, v in state.items() if k != "alone"}, 1 << 20, 1 << 20)
+    [out] = list(PlannedPacker(plan, device=torch.device("cpu")).segments(
+        (k, v) for k, v in state.items() if k != "alone"))
+    assert out.staging is None and out.data.data_ptr() == flat.data_ptr()
+    assert torch.equal(out.data.view(torch.float32), flat)
+
+
+@pytest.mark.parametrize("change,error", [
+    (lambda s: {**s, "extra": torch.ones(1)}, "beyond the bucket plan"),
+    (lambda s: dict(list(s.items())[:-1]), "the version has 9 weights, the bucket plan 10"),
+    (lambda s: {**s, "layers.0.weight": torch.ones(3)}, "the bucket plan expects"),
+    (lambda s: {**s, "step": torch.tensor(1.0)}, "the bucket plan expects"),
+])
+def test_a_version_that_leaves_the_plan_is_named(change, error) -> None:
+    plan = planned(make_state(0), bucket_bytes=20_000, chunk_bytes=4096)
+    packer = PlannedPacker(plan, device=torch.device("cpu"))
+    with pytest.raises(LayoutChanged, match=error):
+        list(packer.segments(change(make_state(1)).items()))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from streamrl.config import WeightBusConfig
-from streamrl.weight_bus import ReceiverDied, make_publisher, make_receiver
+from streamrl.weight_bus import ReceiverDied, WeightBusError, make_publisher, make_receiver
 from streamrl.weight_bus.collective import CollectivePublisher, CollectiveReceiver
 from tests.support.weights import digest, killing, make_state, receiver_main
 
@@ -152,6 +152,28 @@ def test_in_process_receiver_ignores_older_versions_and_hands_over_views() -> No
     # Same-dtype tensors are views into one received bucket, not copies.
     a, b = loaded["layers.0.weight"], loaded["layers.1.weight"]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_later_versions_follow_the_plan_zero_copy_and_a_layout_change_makes_a_new_one() -> None:
+    pub = CollectivePublisher(bucket_mb=0.01, timeout_s=TIMEOUT_S, keep_latest=False)
+    fleet = Fleet(pub.endpoint)
+    try:
+        fleet.spawn("solo")
+        pub.wait_for_receivers(1)
+        for version in (1, 2, 3):  # streamed (makes the plan), announces the plan, follows it
+            state = make_state(version)
+            stats = pub.publish(version, state.items())
+            assert fleet.wait_loaded("solo", version) == digest(state.items())
+        assert stats.generation == 1 and stats.num_buckets > 3
+        grown = make_state(4, scale=2)
+        with pytest.raises(WeightBusError, match="do not follow the bucket plan"):
+            pub.publish(4, grown.items())
+        assert pub.version == 3
+        pub.publish(4, grown.items())  # not published yet: the same version, on a new plan
+        assert fleet.wait_loaded("solo", 4) == digest(grown.items())
+    finally:
+        fleet.close()
+        pub.close()
 
 
 def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_works(

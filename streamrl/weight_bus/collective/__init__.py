@@ -2,13 +2,15 @@
 
 Modules (``publisher`` and ``receiver`` import ``wire`` and ``weight_bus.base``, never each other;
 nothing here is imported by ``base``):
-- ``wire``: ``send_buckets`` / ``recv_buckets``, the data-plane format of one version on a formed
-  group (per bucket a header ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``,
-  the flat data; a ``(0, 0)`` header ends the version), and ``manifest_of``.
+- ``wire``: ``send_planned`` / ``send_streamed`` / ``recv_version``, the data-plane format of one
+  version on a formed group (a version header; then either the segments of the model's
+  ``buckets.BucketPlan``, the plan itself sent once per generation, with no per-bucket header,
+  or, for the first version of a model, each bucket after its header and msgpack
+  ``BucketSpec``), and ``manifest_of``.
 - ``publisher``: ``CollectivePublisher`` (learner rank 0): roster and acks over
   ``control.ControlServer``, group generations over one ``TCPStore``; ``publish`` packs lazily
-  from the iterator, broadcasts, checks every receiver's ``received`` ack (with the manifest it
-  assembled) within timeout_s.
+  from the iterator (the first version makes the bucket plan, later ones follow it), broadcasts,
+  checks every receiver's ``received`` ack (with the manifest it assembled) within timeout_s.
 - ``receiver``: ``CollectiveReceiver`` + ``LocalLanding``: a background thread that joins each
   announced generation, receives the version in this process and hands it whole to the sink.
   ``vllm_receiver.VLLMWorkerLanding`` lands buckets inside a vLLM worker instead.
@@ -21,9 +23,11 @@ iterator (FSDP ranks gather in lockstep), aborts the generation, names the dead 
 from its copy, so survivors rejoin without any action of theirs.
 
 Late joiners (documented choice): with ``keep_latest`` (default on gloo/CPU) the learner keeps the
-packed buckets of the latest version (one extra copy of the weights in host memory) and a
+packed buckets of the latest version (one extra copy of the weights in host memory; packing
+into it is the one copy a version costs, the segments go out from it) and a
 background thread sends them to any receiver that joins late, on a generation of its own, right
-away. Without it (default with NCCL: the copy would cost GPU memory) a late joiner is noted in
+away. Without it (default with NCCL: the copy would cost GPU memory; weights go out zero-copy
+where they lie contiguously) a late joiner is noted in
 ``needs_republish`` and gets the weights with the next ``publish``; the controller can publish the
 current weights again at once if it cannot wait.
 """
@@ -35,7 +39,12 @@ from streamrl.weight_bus.collective.receiver import (
     LocalLanding,
     default_receiver_id,
 )
-from streamrl.weight_bus.collective.wire import manifest_of, recv_buckets, send_buckets
+from streamrl.weight_bus.collective.wire import (
+    manifest_of,
+    recv_version,
+    send_planned,
+    send_streamed,
+)
 
 __all__ = [
     "CollectivePublisher",
@@ -44,6 +53,7 @@ __all__ = [
     "LocalLanding",
     "default_receiver_id",
     "manifest_of",
-    "recv_buckets",
-    "send_buckets",
+    "recv_version",
+    "send_planned",
+    "send_streamed",
 ]

@@ -3,7 +3,8 @@
 Parts:
 - ``Landing``: where a receiver's buckets land (``receive`` / ``discard`` / ``close``).
 - ``LocalLanding``: joins the announced generation in this process and receives into tensors
-  here (``vllm_receiver.VLLMWorkerLanding`` lands them inside a vLLM worker instead).
+  here, keeping the bucket plan that generation announced and the buffers of its bucket sizes
+  (``vllm_receiver.VLLMWorkerLanding`` lands them inside a vLLM worker instead).
 - ``CollectiveReceiver``: a background thread that takes each announcement from the
   ``ControlClient``, lets its landing receive the version, acks ``received`` (with the manifest
   it assembled), hands the version whole to the sink and acks ``loaded``, ``skipped`` or
@@ -31,8 +32,8 @@ import torch.distributed as dist
 
 from streamrl.types import WeightManifest
 from streamrl.weight_bus.base import NamedTensors, WeightReceiver, WeightSink
-from streamrl.weight_bus.buckets import BufferPool
-from streamrl.weight_bus.collective.wire import manifest_of, recv_buckets
+from streamrl.weight_bus.buckets import BucketPlan, BufferPool
+from streamrl.weight_bus.collective.wire import manifest_of, recv_version
 from streamrl.weight_bus.control import Announce, ControlClient
 from streamrl.weight_bus.groups import (
     GroupAborted,
@@ -60,6 +61,7 @@ class LocalLanding:
 
     def __init__(self) -> None:
         self._group: WeightGroup | None = None
+        self._plan: BucketPlan | None = None  # the one ``_group`` announced last
         self._pool = BufferPool()
         self._lent: list[torch.Tensor] = []
 
@@ -74,13 +76,14 @@ class LocalLanding:
             # generation the learner already aborted: posting receives on it would leave them
             # pending, and gloo aborts the process when their timeout fires.
             group.check_abort()
-            specs, tensors, self._lent = recv_buckets(
-                group, timeout_s=group.spec.timeout_s, check=group.check_abort, pool=self._pool)
+            got = recv_version(group, self._plan, timeout_s=group.spec.timeout_s,
+                               check=group.check_abort, pool=self._pool)
         except Exception:
             group.broken = True
             self._drop()
             raise
-        return manifest_of(announce.version, announce.publish_id, specs), tensors
+        self._plan, self._lent = got.plan, got.buffers
+        return manifest_of(announce.version, announce.publish_id, got.specs), got.tensors
 
     def _join(self, spec: GroupSpec) -> WeightGroup:
         if self._group is not None and self._group.spec == spec:
@@ -101,6 +104,7 @@ class LocalLanding:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self._plan = None
 
     def discard(self, announce: Announce) -> None:
         return None

@@ -1,17 +1,22 @@
 """The data-plane wire format of one version on a formed weight group.
 
-Parts:
-- ``send_buckets`` (rank 0) / ``recv_buckets`` (every other rank). Per bucket three broadcasts
-  from rank 0: a header ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``, the
-  flat data; a ``(0, 0)`` header ends the version. The sender keeps one bucket on the wire while
-  the next is packed (double buffering: two pooled buffers); the receiver posts the next header
-  before the current data lands and unpacks to views.
-- ``manifest_of``: the ``WeightManifest`` both sides assemble from the specs they sent or got
-  (the publisher compares the receivers' with its own).
-- ``Check``: the poll every bounded wait runs (raises to give the wait up).
+Every version opens with a header ``int64[2] = (kind, n)`` broadcast from rank 0:
+- ``PLANNED``: the version follows the bucket plan this generation already got; ``PLAN_FOLLOWS``:
+  the msgpack ``BucketPlan`` comes next (``n`` bytes), announced once per generation. Then one
+  broadcast per ``Segment`` of the plan and nothing else: no per-bucket header. The receiver
+  posts every receive at once, into pooled buffers of the plan's bucket sizes (the same ones
+  version after version); the sender keeps up to ``window_bytes`` on the wire while it packs
+  the next segments.
+- ``STREAMED``: a version with no plan yet (the first of a model): per bucket a header
+  ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``, the flat data; a ``(0, 0)``
+  header ends it. The publisher makes the plan from it.
 
-Dependencies: ``groups`` (the group and its pending broadcasts), ``buckets`` (packing), ``types``.
-The publisher and receiver import this module; it imports neither.
+Parts: ``send_planned`` / ``send_streamed`` (rank 0), ``recv_version`` (every other rank),
+``manifest_of`` (the ``WeightManifest`` both sides assemble; the publisher compares the
+receivers' with its own), ``Check`` (the poll every bounded wait runs; raises to give up).
+
+Dependencies: ``groups`` (the group and its pending broadcasts), ``buckets`` (layout, packing),
+``types``. The publisher and receiver import this module; it imports neither.
 """
 
 from __future__ import annotations
@@ -19,81 +24,167 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from streamrl.types import BucketSpec, WeightManifest, decode, encode
-from streamrl.weight_bus.buckets import Bucket, BufferPool, unpack
+from streamrl.weight_bus.base import WeightBusError
+from streamrl.weight_bus.buckets import Bucket, BucketPlan, BufferPool, Outgoing, unpack
 from streamrl.weight_bus.groups import Pending, WeightGroup
 
 Check = Callable[[], None]
+STREAMED, PLANNED, PLAN_FOLLOWS = 0, 1, 2
+"""Kinds of version header."""
 
 
-def send_buckets(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: float,
-                 check: Check, sent: Callable[[Bucket], None]) -> list[BucketSpec]:
-    """Broadcast every bucket ``buckets`` yields; ``sent(bucket)`` once a bucket left the wire."""
+class _Window:
+    """Broadcasts from rank 0 in flight, retired oldest first (each wait bounded by
+    ``timeout_s``) once more than ``limit_bytes`` are out."""
+
+    def __init__(self, group: WeightGroup, limit_bytes: int, timeout_s: float,
+                 check: Check) -> None:
+        self.group, self.limit_bytes, self.timeout_s, self.check = (
+            group, limit_bytes, timeout_s, check)
+        self._out: deque[tuple[Pending, torch.Tensor, str, Callable[[], None] | None]] = deque()
+        self._bytes = 0
+
+    def post(self, tensor: torch.Tensor, what: str,
+             done: Callable[[], None] | None = None) -> None:
+        """Start broadcasting ``tensor``; ``done()`` once it left the wire."""
+        self._out.append((self.group.broadcast(tensor), tensor, what, done))
+        self._bytes += tensor.numel() * tensor.element_size()
+        while self._bytes > self.limit_bytes and len(self._out) > 1:
+            self._retire()
+
+    def drain(self) -> None:
+        while self._out:
+            self._retire()
+
+    def _retire(self) -> None:
+        pending, tensor, what, done = self._out.popleft()
+        pending.wait(time.monotonic() + self.timeout_s, self.check,
+                     f"broadcast of {what} (generation {self.group.generation})")
+        self._bytes -= tensor.numel() * tensor.element_size()
+        if done is not None:
+            done()
+
+
+def _header(group: WeightGroup, a: int, b: int) -> torch.Tensor:
+    return torch.tensor([a, b], dtype=torch.int64).to(group.device)
+
+
+def _blob(group: WeightGroup, payload: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(group.device)
+
+
+def send_planned(group: WeightGroup, plan: BucketPlan, segments: Iterator[Outgoing], *,
+                 announce_plan: bool, window_bytes: int, timeout_s: float, check: Check,
+                 sent: Callable[[Outgoing], None]) -> None:
+    """Broadcast a version that follows ``plan``; ``sent(out)`` once a segment left the wire."""
+    window = _Window(group, window_bytes, timeout_s, check)
+    if announce_plan:
+        blob = encode(plan)
+        window.post(_header(group, PLAN_FOLLOWS, len(blob)), "version header")
+        window.post(_blob(group, blob), "bucket plan")
+    else:
+        window.post(_header(group, PLANNED, 0), "version header")
+    # next() packs segment i+1 (consuming the learner's iterator) while segment i is on the wire.
+    for out in segments:
+        window.post(out.data, f"segment {out.index} of {len(plan.segments)}",
+                    lambda out=out: sent(out))
+    window.drain()
+
+
+def send_streamed(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: float,
+                  check: Check, sent: Callable[[Bucket], None]) -> list[BucketSpec]:
+    """Broadcast every bucket ``buckets`` yields, each after its spec; ``sent(bucket)`` once a
+    bucket left the wire. One bucket stays on the wire while the next is packed."""
     specs: list[BucketSpec] = []
-    in_flight: deque[tuple[list[Pending], Bucket, list[torch.Tensor]]] = deque()
-
-    def retire_oldest() -> None:
-        pending, bucket, _keepalive = in_flight.popleft()
-        for p in pending:
-            p.wait(time.monotonic() + timeout_s, check,
-                   f"broadcast of bucket {len(specs) - len(in_flight)} "
-                   f"(generation {group.generation})")
-        sent(bucket)
-
-    # next() packs bucket i+1 (consuming the learner's iterator) while bucket i is on the wire.
+    window = _Window(group, 0, timeout_s, check)  # retire all but the newest broadcast
+    window.post(_header(group, STREAMED, 0), "version header")
     for bucket in buckets:
         spec_bytes = encode(bucket.spec)
-        header = torch.tensor([len(spec_bytes), bucket.spec.nbytes], dtype=torch.int64)
-        spec_t = torch.frombuffer(bytearray(spec_bytes), dtype=torch.uint8)
-        header, spec_t = header.to(group.device), spec_t.to(group.device)
-        pending = [group.broadcast(header), group.broadcast(spec_t), group.broadcast(bucket.data)]
-        in_flight.append((pending, bucket, [header, spec_t]))
+        what = f"bucket {len(specs)}"
+        window.post(_header(group, len(spec_bytes), bucket.spec.nbytes), f"header of {what}")
+        window.post(_blob(group, spec_bytes), f"spec of {what}")
+        window.post(bucket.data, what, lambda bucket=bucket: sent(bucket))
         specs.append(bucket.spec)
-        while len(in_flight) > 1:
-            retire_oldest()
-    end = torch.zeros(2, dtype=torch.int64, device=group.device)
-    end_pending = group.broadcast(end)
-    while in_flight:
-        retire_oldest()
-    end_pending.wait(time.monotonic() + timeout_s, check, "end-of-version marker")
+    window.post(_header(group, 0, 0), "end-of-version marker")
+    window.drain()
     return specs
 
 
-def recv_buckets(group: WeightGroup, *, timeout_s: float, check: Check,
-                 pool: BufferPool | None = None
-                 ) -> tuple[list[BucketSpec], list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-    """Receive one version: its bucket specs, its named tensors (views into the buckets) and the
-    bucket buffers (data lands in buffers taken from ``pool`` when one is given)."""
+@dataclass
+class Received:
+    """One version as a receiver got it."""
+
+    plan: BucketPlan | None
+    """The plan it followed (None: it was streamed)."""
+    specs: list[BucketSpec]
+    tensors: list[tuple[str, torch.Tensor]]
+    """Views into ``buffers``."""
+    buffers: list[torch.Tensor]
+
+
+def recv_version(group: WeightGroup, plan: BucketPlan | None, *, timeout_s: float, check: Check,
+                 pool: BufferPool) -> Received:
+    """Receive one version; ``plan`` is the one this generation got last (None: none yet).
+    The data lands in buffers taken from ``pool``."""
+    kind, n = _recv_header(group, "version header", timeout_s, check)
+    if kind == STREAMED:
+        return _recv_streamed(group, timeout_s=timeout_s, check=check, pool=pool)
+    if kind == PLAN_FOLLOWS:
+        blob = torch.empty(n, dtype=torch.uint8, device=group.device)
+        _wait(group, group.broadcast(blob), "bucket plan", timeout_s, check)
+        plan = decode(blob.cpu().numpy().tobytes(), BucketPlan)
+    elif kind != PLANNED or plan is None:
+        raise WeightBusError(f"weight bus: version header ({kind}, {n}) on generation "
+                             f"{group.generation}, which has no bucket plan")
+    assert plan is not None
+    buffers = [pool.take(spec.nbytes, group.device) for spec in plan.buckets]
+    pending = [group.broadcast(buffers[s.bucket][s.start: s.end]) for s in plan.segments]
+    for i, p in enumerate(pending):
+        _wait(group, p, f"segment {i} of {len(pending)}", timeout_s, check)
+    by_bucket = [unpack(spec, data) for spec, data in zip(plan.buckets, buffers, strict=True)]
+    tensors = [by_bucket[b][j] for b, j in plan.order]  # in the order the learner yields them
+    return Received(plan, list(plan.buckets), tensors, buffers)
+
+
+def _wait(group: WeightGroup, p: Pending, what: str, timeout_s: float, check: Check) -> None:
+    p.wait(time.monotonic() + timeout_s, check, f"{what} (generation {group.generation})")
+
+
+def _recv_header(group: WeightGroup, what: str, timeout_s: float,
+                 check: Check) -> tuple[int, int]:
+    header = torch.empty(2, dtype=torch.int64, device=group.device)
+    _wait(group, group.broadcast(header), what, timeout_s, check)
+    a, b = (int(x) for x in header.tolist())
+    return a, b
+
+
+def _recv_streamed(group: WeightGroup, *, timeout_s: float, check: Check,
+                   pool: BufferPool) -> Received:
     device = group.device
     buffers: list[torch.Tensor] = []
     specs: list[BucketSpec] = []
     tensors: list[tuple[str, torch.Tensor]] = []
-
-    def wait(p: Pending, what: str) -> None:
-        p.wait(time.monotonic() + timeout_s, check, f"{what} (generation {group.generation})")
-
-    header = torch.empty(2, dtype=torch.int64, device=device)
-    wait(group.broadcast(header), "first bucket header")
-    spec_len, data_len = (int(x) for x in header.tolist())
+    spec_len, data_len = _recv_header(group, "first bucket header", timeout_s, check)
     while spec_len:
         spec_t = torch.empty(spec_len, dtype=torch.uint8, device=device)
-        data = (pool.take(data_len, device) if pool is not None
-                else torch.empty(data_len, dtype=torch.uint8, device=device))
+        data = pool.take(data_len, device)
         buffers.append(data)
         next_header = torch.empty(2, dtype=torch.int64, device=device)
         p_spec, p_data = group.broadcast(spec_t), group.broadcast(data)
         p_next = group.broadcast(next_header)  # posted early: the sender never waits on us
-        wait(p_spec, f"spec of bucket {len(specs)}")
+        _wait(group, p_spec, f"spec of bucket {len(specs)}", timeout_s, check)
         spec = decode(spec_t.cpu().numpy().tobytes(), BucketSpec)
-        wait(p_data, f"data of bucket {len(specs)}")
+        _wait(group, p_data, f"data of bucket {len(specs)}", timeout_s, check)
         tensors.extend(unpack(spec, data))
         specs.append(spec)
-        wait(p_next, f"header after bucket {len(specs) - 1}")
+        _wait(group, p_next, f"header after bucket {len(specs) - 1}", timeout_s, check)
         spec_len, data_len = (int(x) for x in next_header.tolist())
-    return specs, tensors, buffers
+    return Received(None, specs, tensors, buffers)
 
 
 def manifest_of(version: int, publish_id: str, specs: list[BucketSpec]) -> WeightManifest:

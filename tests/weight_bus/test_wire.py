@@ -1,0 +1,86 @@
+"""The wire format of one version, over an in-memory group (no processes): what a streamed and
+a planned version put on the wire, and that a receiver assembles the same weights from it."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+
+from streamrl.weight_bus.base import WeightBusError
+from streamrl.weight_bus.buckets import BucketPacker, BucketPlan, BufferPool, PlannedPacker
+from streamrl.weight_bus.collective.wire import recv_version, send_planned, send_streamed
+from streamrl.weight_bus.groups import Pending
+from tests.support.weights import digest, make_state
+
+
+class _Done(Pending):
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> None:
+        return None
+
+
+class Loopback:
+    """Both ends of a group: rank 0's broadcasts are recorded, then replayed to a receiver."""
+
+    device = torch.device("cpu")
+    generation = 1
+
+    def __init__(self) -> None:
+        self.wire: deque[torch.Tensor] = deque()
+        self.sending = True
+
+    def broadcast(self, tensor: torch.Tensor) -> Pending:
+        if self.sending:
+            self.wire.append(tensor.clone())
+        else:
+            tensor.copy_(self.wire.popleft())
+        return _Done()
+
+    def receive(self, plan: BucketPlan | None):
+        self.sending = False
+        got = recv_version(self, plan, timeout_s=1, check=lambda: None, pool=BufferPool())
+        assert not self.wire, "the receiver left broadcasts unread"
+        return got
+
+
+def _send(group: Loopback, plan: BucketPlan, state: dict, announce: bool) -> None:
+    packer = PlannedPacker(plan, device=torch.device("cpu"))
+    send_planned(group, plan, packer.segments(state.items()), announce_plan=announce,
+                 window_bytes=1 << 20, timeout_s=1, check=lambda: None, sent=packer.release)
+
+
+def test_a_planned_version_is_one_header_and_its_segments() -> None:
+    v1, v2 = make_state(1), make_state(2)
+    group = Loopback()
+    buckets = list(BucketPacker(20_000).pack(v1.items()))
+    send_streamed(group, iter(buckets), timeout_s=1, check=lambda: None, sent=lambda b: None)
+    # Streamed: a version header, then per bucket a header, a spec and the data; an end marker.
+    assert len(group.wire) == 1 + 3 * len(buckets) + 1
+    streamed = group.receive(None)
+    assert streamed.plan is None and digest(streamed.tensors) == digest(v1.items())
+
+    plan = BucketPlan.build([b.spec for b in buckets], list(v1), chunk_bytes=4096)
+    for announce, plan_known, extra in ((True, None, 2), (False, plan, 1)):
+        group = Loopback()
+        _send(group, plan, v2, announce)
+        # The version header (and the plan, once per generation), then only segment data.
+        assert len(group.wire) == extra + len(plan.segments)
+        assert [t.numel() for t in list(group.wire)[extra:]] == [s.nbytes for s in plan.segments]
+        got = group.receive(plan_known)
+        assert got.plan == plan and got.specs == [b.spec for b in buckets]
+        assert [name for name, _ in got.tensors] == list(v2)  # in the learner's order
+        assert digest(got.tensors) == digest(v2.items())
+
+
+def test_a_planned_version_on_a_generation_without_the_plan_fails_clearly() -> None:
+    v1 = make_state(1)
+    buckets = [b.spec for b in BucketPacker(20_000).pack(v1.items())]
+    plan = BucketPlan.build(buckets, list(v1), chunk_bytes=4096)
+    group = Loopback()
+    _send(group, plan, v1, announce=False)
+    with pytest.raises(WeightBusError, match="has no bucket plan"):
+        group.receive(None)
