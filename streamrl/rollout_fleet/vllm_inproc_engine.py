@@ -86,7 +86,11 @@ class InprocVLLMEngine(RolloutEngine):
             target=self._run, args=(model_path, rollout, tokenizer_path, threads, built),
             name="vllm-engine", daemon=True)
         self._thread.start()
-        self.startup_s = built.result(timeout=START_TIMEOUT_S)
+        try:
+            self.startup_s = built.result(timeout=START_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the in-process vLLM engine for {model_path} did not start "
+                               f"within {START_TIMEOUT_S:.0f} s") from None
         logger.info("in-process vLLM engine for %s ready in %.1fs", model_path, self.startup_s)
 
     @property

@@ -42,13 +42,17 @@ from streamrl.runtime.placement import in_bundle, pin_to_core, pins_cpus
 from streamrl.runtime.supervisor import holder_name
 
 
+def bundle_cores(cfg: Config) -> int:
+    """The whole cores of one hybrid worker's bundle (at least one)."""
+    return max(1, round(cfg.runtime.cpus_per_learner + cfg.runtime.cpus_per_replica))
+
+
 def threads_per_role(cfg: Config) -> tuple[int, int]:
     """(learner, engine) torch threads: the whole bundle for each in ``sync``, where they take
     turns; their own shares otherwise, where they run at the same time."""
     rt = cfg.runtime
     if cfg.buffer.max_staleness == 0:
-        whole = max(1, round(rt.cpus_per_learner + rt.cpus_per_replica))
-        return whole, whole
+        return bundle_cores(cfg), bundle_cores(cfg)
     return max(1, round(rt.cpus_per_learner)), max(1, round(rt.cpus_per_replica))
 
 
@@ -81,8 +85,7 @@ class HybridActor(ReplicaActor):
 
     async def join_learners(self, master_addr: str, master_port: int) -> None:
         if self.pinned:
-            rt = self.cfg.runtime
-            pin_to_core(self.rank, max(1, round(rt.cpus_per_learner + rt.cpus_per_replica)))
+            pin_to_core(self.rank, bundle_cores(self.cfg))
         await self._on_learner(self.learner.start, master_addr, master_port)
 
     def _make_engine(self) -> Any:
@@ -129,7 +132,14 @@ class HybridActor(ReplicaActor):
         it loads them) into its own engine, under the mode's update policy."""
         dtype = getattr(torch, self.cfg.rollout.dtype)
         weights = self.learner.worker.named_full_parameters(dtype, every_rank=True)
-        stats = await self.publisher.apublish(version, weights)
+        timeout = self.cfg.buffer.take_timeout_s  # a drain waits for the groups in flight
+        try:
+            stats = await asyncio.wait_for(self.publisher.apublish(version, weights), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"hybrid worker {self.rank}: its engine did not take weight version {version} "
+                f"within buffer.take_timeout_s={timeout:g} s ({self.replica.stalled_s():.0f} s "
+                "since an in-flight request last finished)") from None
         if self._offloads:  # the engine generates next: give it the device
             await self._on_learner(self.learner.worker.offload)
         return {"weight_bus/seconds": stats.seconds, "weight_bus/bytes": float(stats.nbytes),
