@@ -56,24 +56,32 @@ def _gathered_batch(completions: list[tuple[list[int], Any]], world: int) -> Any
                              0)
 
 
-def _hybrid_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str
-                 ) -> dict[str, Any]:
-    """One hybrid rank: train a step, swap in place, sample, compare with the learner."""
+def _rank_with_engine(rank: int, world: int, port: int, model_dir: str, out_dir: str,
+                      **overrides: Any) -> tuple[Any, Any, asyncio.AbstractEventLoop, Any]:
+    """(config, learner rank, event loop, in-process engine): one hybrid rank's two halves in
+    this process, the learner joined first (the engine enters its torch.distributed world)."""
     from streamrl.learner.worker import LearnerWorker
-    from streamrl.rollout_fleet.engine import SamplingParams
     from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
-    from streamrl.weight_bus.colocated import ColocatedPublisher
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cfg = make_config(model_dir, out_dir, **{"learner.world_size": world,
-                                             "rollout.max_model_len": 256})
+                                             "rollout.max_model_len": 256, **overrides})
     worker = LearnerWorker(cfg, rank, world, "127.0.0.1", port)
     loop = asyncio.new_event_loop()
 
     async def build() -> InprocVLLMEngine:
         return InprocVLLMEngine(model_dir, cfg.rollout)
 
-    engine = loop.run_until_complete(build())
+    return cfg, worker, loop, loop.run_until_complete(build())
+
+
+def _hybrid_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str
+                 ) -> dict[str, Any]:
+    """One hybrid rank: train a step, swap in place, sample, compare with the learner."""
+    from streamrl.rollout_fleet.engine import SamplingParams
+    from streamrl.weight_bus.colocated import ColocatedPublisher
+
+    cfg, worker, loop, engine = _rank_with_engine(rank, world, port, model_dir, out_dir)
     params = SamplingParams(n=SAMPLES, temperature=cfg.rollout.temperature, max_tokens=12)
 
     def sample() -> list[tuple[list[int], Any]]:
@@ -159,22 +167,13 @@ def _gpu_hybrid_rank(rank: int, world: int, port: int, model_dir: str, out_dir: 
     the CUDA kernels an in-place swap launches."""
     from torch.profiler import ProfilerActivity, profile
 
-    from streamrl.learner.worker import LearnerWorker
     from streamrl.rollout_fleet.engine import SamplingParams
-    from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
     from streamrl.weight_bus.colocated import ColocatedPublisher
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cfg = make_config(model_dir, out_dir, **{"learner.device": "cuda", "learner.offload": True,
-                                             "rollout.max_model_len": 256,
-                                             "rollout.gpu_memory_utilization": 0.3})
-    worker = LearnerWorker(cfg, rank, world, "127.0.0.1", port)
-    loop = asyncio.new_event_loop()
-
-    async def build() -> InprocVLLMEngine:
-        return InprocVLLMEngine(model_dir, cfg.rollout)
-
-    engine = loop.run_until_complete(build())
+    _, worker, loop, engine = _rank_with_engine(
+        rank, world, port, model_dir, out_dir, **{"learner.device": "cuda",
+                                                  "learner.offload": True,
+                                                  "rollout.gpu_memory_utilization": 0.3})
     publisher = ColocatedPublisher(engine)
 
     def free() -> int:
