@@ -243,11 +243,12 @@ class SampleStream:
         """Add one ``CompletionOutput`` delta, stamping its tokens with ``version`` on arrival."""
         new = list(delta.token_ids)
         if new:
-            if delta.logprobs is None or len(delta.logprobs) != len(new):
+            # logprobs=0, flat: one entry per position, the sampled token's.
+            flat = delta.logprobs
+            if flat is None or flat.token_ids != new:
                 raise RuntimeError(f"vLLM returned no log-prob per token for {request_id}")
             self.token_ids.extend(new)
-            # logprobs=0 returns one entry per position: the sampled token's.
-            self.logprobs.extend(float(lp[tok].logprob) for tok, lp in zip(new, delta.logprobs))
+            self.logprobs.extend(flat.logprobs)
             self.arrival_versions.extend([version] * len(new))
         if delta.finish_reason is not None:
             self.finish_reason = str(delta.finish_reason)
@@ -268,11 +269,13 @@ class SampleStream:
         )
 
 
-def vllm_sampling(params: SamplingParams) -> tuple[Any, int]:
-    """(vLLM ``SamplingParams`` streaming deltas with behaviour log-probs, greedy copies).
+def vllm_sampling(params: SamplingParams, stream: bool) -> tuple[Any, int]:
+    """(vLLM ``SamplingParams`` with behaviour log-probs, greedy copies).
 
-    vLLM refuses greedy n > 1; the n greedy samples are identical, so one is sampled and
-    ``completions`` copies it."""
+    ``stream``: outputs arrive as per-step deltas; otherwise once, whole, at the end (vLLM then
+    builds no per-step output and the caller wakes once per request: per-token versions come
+    from vLLM's weight-version spans either way). vLLM refuses greedy n > 1; the n greedy
+    samples are identical, so one is sampled and ``completions`` copies it."""
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -286,10 +289,11 @@ def vllm_sampling(params: SamplingParams) -> tuple[Any, int]:
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
         logprobs=0,  # the sampled token's own log-prob only
+        flat_logprobs=True,  # plain lists, not a dict and a Logprob object per token
         # Callers decode ids themselves; vLLM needs text only to match stop strings
         # (detokenizing every token and its log-prob entry cost ~20% of a replica's CPU).
         detokenize=bool(params.stop),
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
     return sampling, greedy_copies
 
@@ -322,7 +326,7 @@ class VLLMEngine(RolloutEngine):
         self._paused = False
         self._swap_lock = asyncio.Lock()
         self._closed = False
-        self._live: dict[str, list[SampleStream]] = {}
+        self._live: set[str] = set()  # request ids in flight
         logger.info("vLLM engine for %s ready in %.1fs", model_path, self.startup_s)
 
     @property
@@ -363,10 +367,11 @@ class VLLMEngine(RolloutEngine):
         if not prompt_ids:
             raise ValueError(f"generate({request_id}): prompt_ids is empty")
         await self._ensure_label()
-        sampling, greedy_copies = vllm_sampling(params)
+        sampling, greedy_copies = vllm_sampling(params, stream=on_tokens is not None)
         if request_id in self._live:
             raise ValueError(f"generate: request_id={request_id!r} is already in flight")
-        streams = self._live[request_id] = [SampleStream() for _ in range(sampling.n)]
+        self._live.add(request_id)
+        streams = [SampleStream() for _ in range(sampling.n)]
         try:
             async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sampling,
                                                 request_id=request_id):
@@ -376,12 +381,18 @@ class VLLMEngine(RolloutEngine):
                     if on_tokens is not None and delta.token_ids:
                         on_tokens(list(delta.token_ids))
         finally:
-            del self._live[request_id]
+            self._live.discard(request_id)
         return completions(streams, greedy_copies, request_id)
 
     def num_tokens(self, request_id: str) -> int:
-        """Tokens received so far by a request in flight, over its samples (0 if unknown)."""
-        return sum(len(s.token_ids) for s in self._live.get(request_id, ()))
+        """Tokens sampled so far by a request in flight, over its samples (0 if unknown). Read
+        from vLLM's output processor: a request that does not stream receives none until it
+        ends."""
+        processor = self._llm.output_processor
+        states = (processor.request_states.get(r) for r in
+                  processor.external_req_ids.get(request_id, ()))
+        return sum(s.detokenizer.num_output_tokens() for s in states
+                   if s is not None and s.detokenizer is not None)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -198,7 +198,9 @@ class InprocVLLMEngine(RolloutEngine):
             raise ValueError(f"generate({request_id}): prompt_ids is empty")
         if request_id in self._live:
             raise ValueError(f"generate: request_id={request_id!r} is already in flight")
-        sampling, greedy_copies = vllm_sampling(params)
+        # Always deltas: LLMEngine emits no final output for an aborted request, so what an
+        # abort returns is what has streamed in.
+        sampling, greedy_copies = vllm_sampling(params, stream=True)
         request = self._live[request_id] = _Request(
             [SampleStream() for _ in range(sampling.n)], on_tokens)
         prompt = {"prompt_token_ids": list(prompt_ids)}

@@ -24,7 +24,7 @@ from typing import Any
 from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
 from streamrl.net import free_port, interface_of, node_host
-from streamrl.runtime.placement import pin_to_core, pins_cpus
+from streamrl.runtime.placement import freeze_startup_heap, pin_to_core, pins_cpus
 from streamrl.runtime.supervisor import holder_name
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ class ReplicaActor:
                                trace=cfg.trainer.trace)
         if self.bus_endpoint is not None:
             await self.connect_bus(self.bus_endpoint)
+        freeze_startup_heap()
 
     def _make_engine(self) -> Any:
         from streamrl.rollout_fleet import make_engine

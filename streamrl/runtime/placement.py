@@ -7,13 +7,15 @@
   by its ``runtime.<pool>`` strategy (PACK / SPREAD ...) and node labels,
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
-- ``pins_cpus(cfg)``, ``pin_to_core(slot, width)``: core pinning (``runtime.pin_cpus``).
+- ``pins_cpus(cfg)``, ``pin_to_core(slot, width)``: core pinning (``runtime.pin_cpus``),
+- ``freeze_startup_heap()``: keep what a long-lived process built at start-up out of GC passes.
 
 Depends on config only.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -154,3 +156,11 @@ def pin_to_core(slot: int, width: int = 1) -> None:
     ``slot``-th run of them (modulo the cores it may use)."""
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[(slot * width + i) % len(cores)] for i in range(width)})
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, tokenizer, engine) out of the garbage collector's
+    reach. They live as long as the process, and a full collection that walks them pauses a
+    serving process for hundreds of milliseconds (vLLM's server freezes its heap likewise)."""
+    gc.collect()
+    gc.freeze()

@@ -73,6 +73,7 @@ def run_serve(cfg: Config) -> int:
     from streamrl.controller import Controller
     from streamrl.rollout_fleet.agent.render import ChatRenderer
     from streamrl.runtime import build_runtime
+    from streamrl.runtime.placement import freeze_startup_heap
     from streamrl.serve.app import create_app
     from streamrl.serve.episodes import EpisodeStore
     from streamrl.serve.router import ActorBackend, Router
@@ -113,6 +114,7 @@ def run_serve(cfg: Config) -> int:
             log.info("streamrl serve: %s on http://%s:%d/v1 (%d replicas, training %s)",
                      name, cfg.serve.host, cfg.serve.port, len(rt.fleet.replicas),
                      "here" if train else "elsewhere" if cfg.buffer.backend == "redis" else "off")
+            freeze_startup_heap()
             try:
                 await server.serve()  # returns after SIGINT/SIGTERM and in-flight calls finish
             finally:
