@@ -5,18 +5,19 @@ Parts:
 - ``MeshSpec`` + ``parallelize``: the one place parallelism is composed, in a fixed order
   (activation checkpointing, then ``fully_shard`` on each decoder layer, then on the root).
 - ``load_causal_lm`` / ``load_value_model``: HF models from a local directory, fp32 masters.
-- ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus.
+- ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus
+  (``HandedOver`` when every one is new memory).
 
 FSDP2 only (``torch.distributed.fsdp.fully_shard``): FSDP1 segfaults on full-state-dict offload
 on CPU (DESIGN.md §11). Parameter names are untouched by FSDP2 and by HF's gradient
 checkpointing, so the names a caller sees are the HF checkpoint names vLLM loads.
-Depends on torch and transformers only.
+Depends on torch, transformers and the weight bus's protocol (``weight_bus.base``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -26,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from streamrl.weight_bus.base import HandedOver, NamedTensors
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -162,18 +165,40 @@ def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.M
 
 def iter_full_parameters(
     model: nn.Module, dtype: torch.dtype | None = None, every_rank: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> NamedTensors:
     """Yield ``(hf_name, full_tensor)`` one parameter at a time, on rank 0 only (every rank
     with ``every_rank``: co-located ranks each feed their own engine).
 
-    Every rank must drive this generator to the end (each ``full_tensor()`` is a collective);
+    Every rank must drive this iterable to the end (each ``full_tensor()`` is a collective);
     other ranks yield nothing. At most one gathered parameter exists beyond the shards at any
-    time. The tensors are read-only views valid until the next optimizer step (at world size 1
-    they may alias the live parameter).
+    time. When each full tensor is new memory (gathered from shards on other ranks, or cast to
+    ``dtype``), nothing writes to it once yielded and the tensors come ``HandedOver``: the weight
+    bus keeps references to them instead of a copy. Otherwise (world size 1, no cast) they
+    alias the live parameters: read-only views valid until the next optimizer step.
     """
+    params = list(model.named_parameters())
+    full = _full_parameters(params, dtype, every_rank)
+    return HandedOver(full) if all(_made_anew(p, dtype) for _, p in params) else full
+
+
+def _full_parameters(
+    params: Sequence[tuple[str, nn.Parameter]], dtype: torch.dtype | None, every_rank: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for name, param in model.named_parameters():
+    for name, param in params:
         full = param.full_tensor() if isinstance(param, DTensor) else param
         if rank == 0 or every_rank:
             yield name, full.detach().to(dtype or full.dtype)
         del full
+
+
+def _made_anew(param: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether the full tensor yielded for ``param`` is new memory, not the live parameter."""
+    if dtype is not None and dtype != param.dtype:
+        return True  # the cast copies
+    if not isinstance(param, DTensor):
+        return False
+    # Gathering a placement spread over more than one rank allocates the full tensor; over a
+    # mesh dimension of size 1 (or replicated) DTensor hands back the local shard itself.
+    mesh = param.device_mesh
+    return any(not p.is_replicate() and mesh.size(i) > 1 for i, p in enumerate(param.placements))

@@ -20,7 +20,6 @@ Dependencies: config, batch, testing (model path) and the learner modules.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from streamrl.learner.fsdp import (
 )
 from streamrl.learner.update_loop import sync_max
 from streamrl.models import resolve_model_path
+from streamrl.weight_bus.base import NamedTensors
 
 REQUIRED_TENSORS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask",
                     "rollout_log_probs")
@@ -136,7 +136,7 @@ class LearnerWorker:
     # ---- weights -----------------------------------------------------------------------------
     def named_full_parameters(
         self, dtype: torch.dtype | None = None, every_rank: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> NamedTensors:
         return iter_full_parameters(self.actor.model, dtype, every_rank)
 
     def offload(self) -> None:

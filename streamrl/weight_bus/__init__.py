@@ -1,12 +1,12 @@
 """streamrl.weight_bus: learner -> rollout-fleet weight transfer (DESIGN.md §6).
 
-``base`` holds the protocol (``WeightPublisher``, ``WeightReceiver``, ``WeightSink``, the errors);
-``make_publisher`` / ``make_receiver`` pick a backend from ``weight_bus.backend`` and, on the
-replica side, from what the engine can do (``receiver_class``). Backends: ``collective/``
-(bucketed broadcast on a dedicated gloo/NCCL group, ``control`` for ZMQ announcements and acks),
-``colocated`` (in-place swap in the learner's process), and the receivers that land versions in
-an engine, ``vllm_receiver`` (inside the vLLM worker) and ``sglang_receiver`` (relayed into
-SGLang's distributed update API).
+``base`` holds the protocol (``WeightPublisher``, ``WeightReceiver``, ``WeightSink``,
+``HandedOver``, the errors); ``make_publisher`` / ``make_receiver`` pick a backend from
+``weight_bus.backend`` and, on the replica side, from what the engine can do
+(``receiver_class``). Backends: ``collective/`` (bucketed broadcast on a dedicated gloo/NCCL
+group, ``control`` for ZMQ announcements and acks), ``colocated`` (in-place swap in the
+learner's process), and the receivers that land versions in an engine, ``vllm_receiver``
+(inside the vLLM worker) and ``sglang_receiver`` (relayed into SGLang's distributed update API).
 
 Dependencies point inward: backends import ``base``; this module imports backends only inside
 the factories, when chosen, so importing the package stays cheap (vLLM's worker imports it).
@@ -22,6 +22,7 @@ import torch
 from streamrl.net import LOOPBACK
 from streamrl.weight_bus.base import (
     GroupAborted,
+    HandedOver,
     NamedTensors,
     PublishStats,
     ReceiverDied,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupAborted",
+    "HandedOver",
     "NamedTensors",
     "PublishStats",
     "ReceiverDied",

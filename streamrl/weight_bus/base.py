@@ -4,6 +4,9 @@ Parts:
 - ``WeightPublisher`` (learner rank 0): ``publish(version, named_tensors) -> PublishStats``,
   ``close()``. ``named_tensors`` is consumed lazily, one full (unsharded) HF-named tensor at a
   time, and always to the end (FSDP ranks gather in lockstep, even when a receiver fails).
+- ``HandedOver``: ``named_tensors`` whose producer gives the tensors up to the bus (each made
+  for this publish, written by nobody afterwards), so a publisher may keep references to them
+  instead of copies.
 - ``WeightReceiver`` (replica side): receives each announced version and hands the whole version
   to a ``WeightSink`` (``engine.load_weights`` or a replica's update entry point), ``close()``.
 - ``WeightSink``: ``async (weights, version) -> None``; the same shape as
@@ -20,7 +23,7 @@ this module; it imports none of them. The factories that choose one live in the 
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,23 @@ WeightSink = Callable[[NamedTensors, int], Awaitable[None]]
 The tensors are views into receive buffers that are reused for the next version (no copy on
 the way in): a sink copies what it keeps, as every engine's ``load_weights`` does.
 """
+
+
+class HandedOver:
+    """Named tensors handed over to the bus with the version they carry.
+
+    The producer promises that each tensor was made for this publish (a gathered full tensor,
+    a cast) and that nothing writes to it afterwards, so a publisher may keep references to
+    them (``CollectivePublisher``'s copy of the latest version for late joiners) instead of
+    copying them. Iterating it is iterating ``named_tensors`` (once, lazily); a plain iterable
+    makes no promise, and is copied wherever it must outlive the publish.
+    """
+
+    def __init__(self, named_tensors: NamedTensors) -> None:
+        self._named_tensors = named_tensors
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._named_tensors)
 
 
 class WeightBusError(RuntimeError):

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from streamrl.config import WeightBusConfig
-from streamrl.weight_bus import ReceiverDied, WeightBusError, make_publisher, make_receiver
+from streamrl.weight_bus import (
+    HandedOver,
+    ReceiverDied,
+    WeightBusError,
+    make_publisher,
+    make_receiver,
+)
 from streamrl.weight_bus.collective import CollectivePublisher, CollectiveReceiver
 from tests.support.weights import digest, killing, make_state, receiver_main
 
@@ -104,7 +110,11 @@ def test_publish_reaches_every_receiver_and_late_joiner(publisher, fleet) -> Non
         assert fleet.wait_loaded(rid, 3) == digest(v3.items())
 
 
-def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fleet) -> None:
+@pytest.mark.parametrize("handed", [False, True], ids=["copied", "handed-over"])
+def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fleet,
+                                                                   handed: bool) -> None:
+    """The survivor gets the version re-sent from the kept copy, or from the references to
+    handed-over weights."""
     fleet.spawn("alive", "victim")
     publisher.wait_for_receivers(2)
     v1 = make_state(1)
@@ -112,9 +122,10 @@ def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fl
     fleet.wait_loaded("victim", 1)
 
     v2 = make_state(2)
+    weights = killing(v2, after=3, pid=fleet.procs["victim"].pid)
     start = time.monotonic()
     with pytest.raises(ReceiverDied) as info:
-        publisher.publish(2, killing(v2, after=3, pid=fleet.procs["victim"].pid))
+        publisher.publish(2, HandedOver(weights) if handed else weights)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT_S, f"the dead receiver took {elapsed:.1f} s to be named"
     err = info.value

@@ -23,13 +23,15 @@ iterator (FSDP ranks gather in lockstep), aborts the generation, names the dead 
 from its copy, so survivors rejoin without any action of theirs.
 
 Late joiners (documented choice): with ``keep_latest`` (default on gloo/CPU) the learner keeps the
-packed buckets of the latest version (one extra copy of the weights in host memory; packing
-into it is the one copy a version costs, the segments go out from it) and a
-background thread sends them to any receiver that joins late, on a generation of its own, right
-away. Without it (default with NCCL: the copy would cost GPU memory; weights go out zero-copy
-where they lie contiguously) a late joiner is noted in
-``needs_republish`` and gets the weights with the next ``publish``; the controller can publish the
-current weights again at once if it cannot wait.
+latest version (one extra copy of the weights in host memory) and a background thread sends it
+to any receiver that joins late, on a generation of its own, right away. Weights that come
+``HandedOver`` (the learner's, when gathered from shards or cast) are kept by reference: they go
+out zero-copy and only runs of small weights are copied. Any other iterable may be written to
+after ``publish``: it is packed into the kept copy, which is the one copy such a version costs
+(the segments go out from it). Without it (default with NCCL: the copy would cost GPU memory;
+weights go out zero-copy where they lie contiguously) a late joiner is noted in
+``needs_republish`` and gets the weights with the next ``publish``; the controller can publish
+the current weights again at once if it cannot wait.
 """
 
 from streamrl.weight_bus.collective.publisher import CollectivePublisher

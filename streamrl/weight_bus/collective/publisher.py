@@ -6,9 +6,10 @@ generation and checks every receiver's ``received`` ack and the manifest it asse
 ``timeout_s``. The first version of a model is streamed bucket by bucket (``wire.send_streamed``)
 and yields the model's ``BucketPlan``; every later one follows that plan
 (``wire.send_planned``: the plan is announced once per generation, segments go out as they are
-packed, zero-copy where the kept copy is off). After a failed broadcast ``_recover`` aborts the
-generation, names the dead and re-sends the version to the survivors; ``_catch_up`` serves late
-joiners from the kept copy (see the package docstring for both policies).
+packed, zero-copy where the kept copy is off or the weights are ``HandedOver``). After a failed
+broadcast ``_recover`` aborts the generation, names the dead and re-sends the version to the
+survivors; ``_catch_up`` serves late joiners from the kept copy (see the package docstring for
+both policies).
 
 Dependencies: ``base`` (the protocol), ``buckets`` (packing), ``control`` (ZMQ), ``groups``,
 ``wire``.
@@ -22,7 +23,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
 
 import msgspec
 import torch
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from streamrl.net import LOOPBACK, free_port
 from streamrl.types import BucketSpec
 from streamrl.weight_bus.base import (
+    HandedOver,
     NamedTensors,
     PublishStats,
     ReceiverDied,
@@ -61,6 +64,22 @@ on the wire. Measured on 2 cores (95 MiB, loopback, packed): 1-2 MiB chunks pay 
 cost per broadcast (0.7x a raw broadcast), 8 MiB came closest to it. NCCL sends whole buckets."""
 Transmit = Callable[[WeightGroup, Check], list[BucketSpec]]
 """Broadcasts one version on a formed group, polling the check; returns the specs it followed."""
+T = TypeVar("T")
+
+
+@dataclass
+class _Kept:
+    """The latest version, kept for late joiners and for the survivors of a failed publish."""
+
+    segments: list[torch.Tensor]
+    """The bytes of each segment of the plan, in wire order: views of ``copy``, or (a
+    ``HandedOver`` version) views of the learner's tensors and the staging buffers of the rest."""
+    copy: list[torch.Tensor] | None = None
+    """One flat buffer per bucket holding a copy of the version; the next copied version is
+    packed into them (warm pages)."""
+    staged: list[torch.Tensor] = field(default_factory=list)
+    """Pooled staging buffers behind ``segments``, back to the pool when a ``HandedOver``
+    version replaces this one."""
 
 
 class _Dead(WeightBusError):
@@ -99,7 +118,7 @@ class CollectivePublisher(WeightPublisher):
         self._version = -1
         self._plan: BucketPlan | None = None
         self._plan_generation = -1  # the generation that got ``_plan`` announced last
-        self._kept: list[torch.Tensor] | None = None  # latest version, one buffer per bucket
+        self._kept: _Kept | None = None
         self._pool = BufferPool()  # bucket buffers reused from version to version (warm pages)
         self._generation = 0
         self._group: WeightGroup | None = None
@@ -148,7 +167,8 @@ class CollectivePublisher(WeightPublisher):
             source = iter(named_tensors)
             publish_id = uuid.uuid4().hex
             try:
-                transmit, drain = self._version_out(source)
+                transmit, drain = self._version_out(source,
+                                                    isinstance(named_tensors, HandedOver))
                 failure = self._send_to(members, version, publish_id, transmit)
                 drain()  # even after a failure: the other FSDP ranks gather in lockstep
             except LayoutChanged as exc:
@@ -186,47 +206,66 @@ class CollectivePublisher(WeightPublisher):
         return self.bucket_bytes if self.backend == "nccl" else min(GLOO_CHUNK_BYTES,
                                                                      self.bucket_bytes)
 
-    def _version_out(self, source: NamedTensors) -> tuple[Transmit, Callable[[], None]]:
+    def _version_out(self, source: NamedTensors,
+                     handed: bool) -> tuple[Transmit, Callable[[], None]]:
         """How this version goes out (``transmit``) and ``drain``, which packs what the
         broadcast did not (or all of it, with no receivers) and leaves ``_plan`` and ``_kept``
-        describing this version."""
+        describing this version. ``handed``: the weights are ``HandedOver``."""
         if self._plan is None:
-            return self._streamed(source)
-        kept = self._kept
-        if self.keep_latest and kept is None:
-            kept = [self._pool.take(b.nbytes, self._device()) for b in self._plan.buckets]
-        self._kept = None  # no copy to serve until this version is packed whole into it
+            return self._streamed(source, handed)
+        old, self._kept = self._kept, None  # nothing to serve until this version is whole
+        copy = None
+        if self.keep_latest and not handed:  # the caller may write its tensors: copy them
+            copy = old.copy if old is not None and old.copy is not None else [
+                self._pool.take(b.nbytes, self._device()) for b in self._plan.buckets]
+        elif self.keep_latest and old is not None:
+            # Kept by reference: the last such version's staging buffers take this one's runs
+            # of small weights (a copied version's buffers go with ``old``).
+            for buffer in old.staged:
+                self._pool.give(buffer)
         packer = PlannedPacker(self._plan, device=self._device(), cast_dtype=self.cast_dtype,
-                               kept=kept, pool=self._pool)
+                               kept=copy, pool=self._pool)
+        outs: list[Outgoing] = []
         segments = packer.segments(source)
+        if self.keep_latest:
+            # Kept as they went out; without the kept copy nothing outlives its broadcast (a
+            # gathered weight is freed as soon as it is sent).
+            segments = _noted(segments, outs)
+        sent = _noop if self.keep_latest else packer.release
 
         def drain() -> None:
             _exhaust(segments)
-            self._kept = kept
+            if self.keep_latest:
+                self._kept = _Kept([o.data for o in outs], copy,
+                                   [o.staging for o in outs if o.staging is not None])
 
-        return (lambda group, check: self._send_planned(group, check, segments, packer.release),
-                drain)
+        return (lambda group, check: self._send_planned(group, check, segments, sent), drain)
 
-    def _streamed(self, source: NamedTensors) -> tuple[Transmit, Callable[[], None]]:
+    def _streamed(self, source: NamedTensors,
+                  handed: bool) -> tuple[Transmit, Callable[[], None]]:
         """The first version of a model: bucket by bucket, each with its spec; makes the plan."""
         packer = BucketPacker(self.bucket_bytes, cast_dtype=self.cast_dtype,
                               device=self._device(), pool=self._pool)
         names: list[str] = []
-        specs: list[BucketSpec] = []
-        kept: list[Bucket] | None = [] if self.keep_latest else None
-        buckets = _recorded(packer.pack(_named(source, names)), specs, kept)
-        release = packer.release if kept is None else _noop
+        packed: list[Bucket] = []
+        buckets = _noted(packer.pack(_named(source, names)), packed)
+        # The packed buckets are the kept copy of this version: not handed back for reuse.
+        release = _noop if self.keep_latest else packer.release
+        # Zero-copy needs a weight per broadcast; when every byte is copied into the kept copy
+        # anyway, fewer, chunk-sized broadcasts are cheaper (measured: 0.83 vs 0.78 of a raw
+        # broadcast with 1 receiver, 1.00 vs 0.92 with 2). A learner that hands its weights over
+        # once does so every time: its versions are kept without a copy.
+        chunk = self._chunk_bytes()
+        copied = self.keep_latest and not handed
 
         def drain() -> None:
             _exhaust(buckets)
-            # Zero-copy needs a weight per broadcast; when every byte is copied into the kept
-            # copy anyway, fewer, chunk-sized broadcasts are cheaper (measured: 0.83 vs 0.78
-            # of a raw broadcast with 1 receiver, 1.00 vs 0.92 with 2).
-            chunk = self._chunk_bytes()
-            self._plan = BucketPlan.build(specs, names, chunk,
-                                          chunk if self.keep_latest else SMALL_BYTES)
-            self._plan_generation = -1
-            self._kept = None if kept is None else [b.data for b in kept]
+            plan = BucketPlan.build([b.spec for b in packed], names, chunk,
+                                    chunk if copied else SMALL_BYTES)
+            self._plan, self._plan_generation = plan, -1
+            if self.keep_latest:
+                copy = [b.data for b in packed]
+                self._kept = _Kept([copy[g.bucket][g.start: g.end] for g in plan.segments], copy)
 
         return (lambda group, check: send_streamed(group, buckets, timeout_s=self.timeout_s,
                                                    check=check, sent=release),
@@ -350,9 +389,7 @@ class CollectivePublisher(WeightPublisher):
     def _send_cached(self, targets: tuple[str, ...]) -> None:
         """Send the kept copy of the latest version to ``targets`` (it follows the plan)."""
         assert self._plan is not None and self._kept is not None
-        kept = self._kept
-        segments = (Outgoing(i, kept[s.bucket][s.start: s.end])
-                    for i, s in enumerate(self._plan.segments))
+        segments = (Outgoing(i, data) for i, data in enumerate(self._kept.segments))
         self._send(targets, self._version, uuid.uuid4().hex,
                    lambda group, check: self._send_planned(group, check, segments, _noop))
 
@@ -449,14 +486,11 @@ class CollectivePublisher(WeightPublisher):
             self.control.requeue_joiners(behind)
 
 
-def _recorded(buckets: Iterator[Bucket], specs: list[BucketSpec],
-              kept: list[Bucket] | None) -> Iterator[Bucket]:
-    """Yield ``buckets``, noting each spec in ``specs`` and keeping each bucket in ``kept``."""
-    for bucket in buckets:
-        specs.append(bucket.spec)
-        if kept is not None:
-            kept.append(bucket)
-        yield bucket
+def _noted(items: Iterator[T], into: list[T]) -> Iterator[T]:
+    """Yield ``items``, appending each to ``into``."""
+    for item in items:
+        into.append(item)
+        yield item
 
 
 def _named(source: NamedTensors, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
