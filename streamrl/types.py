@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from itertools import compress
 from typing import Any
 
 import msgspec
@@ -48,6 +49,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Runs on every decode: each check loops in C (len, list.count, map); the slow path
+        # that names the offending field or value runs only when a check fails.
         n = len(self.response_ids)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
@@ -60,8 +63,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
                 f"Trajectory {self.uid}: token_rewards has {len(self.token_rewards)} entries "
                 f"but response_ids has {n}"
             )
-        bad = next((m for m in self.loss_mask if m not in (0, 1)), None)
-        if bad is not None:
+        mask = self.loss_mask
+        if mask.count(1) + mask.count(0) != n:  # no value equals both: n iff all are 0 or 1
+            bad = next(m for m in mask if m not in (0, 1))
             raise ValueError(f"Trajectory {self.uid}: loss_mask must hold only 0 and 1, got {bad}")
         if not math.isfinite(self.reward):
             raise ValueError(f"Trajectory {self.uid}: reward={self.reward} is not finite")
@@ -71,13 +75,14 @@ class Trajectory(msgspec.Struct, kw_only=True):
     @property
     def policy_versions(self) -> list[int]:
         """Versions of the tokens the policy sampled (observation tokens excluded)."""
-        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return list(compress(self.versions, self.loss_mask))
 
     @property
     def min_version(self) -> int | None:
         """Oldest policy version that contributed a token, or None if no token was sampled."""
-        versions = self.policy_versions
-        return min(versions) if versions else None
+        if 0 not in self.loss_mask:  # all policy tokens (the common case): no filtering
+            return min(self.versions, default=None)
+        return min(compress(self.versions, self.loss_mask), default=None)
 
     @property
     def num_policy_tokens(self) -> int:

@@ -16,7 +16,9 @@ Accounting every backend keeps (checked by tests/buffer/test_admission_property.
     => capacity(V) - consumed == (eta + 1) * B >= B  # the learner can always be served
 
 Lifecycle: ``try_admit`` -> (replica samples) -> ``put`` | ``cancel_admission``; the learner
-``take``s, trains, checkpoints (recording the taken group ids), then ``ack``s. On resume from a
+``take``s, trains, checkpoints (recording the taken group ids), then ``ack``s. A replica that will
+start another group puts with ``put_and_admit``: the put and the next group's ``try_admit`` in
+one call (one round trip with Redis), the claimed slot used by its next group. On resume from a
 checkpoint, ``rebase`` restarts the counters consistent with the restored learner version.
 
 Holders: every admission is counted under the holder that claimed it (a replica incarnation,
@@ -29,10 +31,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 
 from streamrl.types import Group
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,26 @@ class ReplayBuffer(abc.ABC):
         """``put`` for an event loop; like ``acancel_admission``, under way when it returns."""
         return asyncio.ensure_future(asyncio.to_thread(self.put, group, holder))
 
+    def put_and_admit(self, group: Group, holder: str = "") -> bool:
+        """``put``, then claim a slot for ``holder``'s next group as ``try_admit`` would; True
+        when claimed (the caller then starts a group without calling ``try_admit``, or gives the
+        slot back). Backends may do both in one round trip (Redis: one script).
+
+        The put is what the caller must know happened: raised errors are the put's. When only
+        the claim fails after the put is recorded, this logs it and returns False (no slot is
+        held; the caller's next ``try_admit`` meets the error again)."""
+        self.put(group, holder)
+        try:
+            return self.try_admit(holder)
+        except Exception:
+            log.warning("put_and_admit: group %s was put; claiming the next slot failed",
+                        group.group_id, exc_info=True)
+            return False
+
+    def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
+        """``put_and_admit`` for an event loop; under way when it returns, like ``aput``."""
+        return asyncio.ensure_future(asyncio.to_thread(self.put_and_admit, group, holder))
+
     @abc.abstractmethod
     def release(self, holder: str) -> int:
         """Give back every slot ``holder`` still holds (it died); returns how many."""
@@ -190,6 +215,12 @@ class HeldBuffer(ReplayBuffer):
 
     def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
         return self.buffer.aput(group, holder or self.holder)
+
+    def put_and_admit(self, group: Group, holder: str = "") -> bool:
+        return self.buffer.put_and_admit(group, holder or self.holder)
+
+    def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
+        return self.buffer.aput_and_admit(group, holder or self.holder)
 
     def release(self, holder: str) -> int:
         return self.buffer.release(holder)

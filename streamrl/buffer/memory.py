@@ -5,9 +5,10 @@ arrival order), the admission counters of ``base.Admission``, and the taken-but-
 One ``threading.Condition`` guards all of it: replicas on other threads call ``try_admit`` /
 ``put``; the learner's ``take`` waits on the condition until enough fresh groups are queued.
 
-asyncio: ``try_admit``, ``cancel_admission``, ``put``, ``ack``, ``set_version`` and ``stats``
-only take the lock briefly and may be called from a coroutine directly; ``take`` blocks, so
-call it as ``await asyncio.to_thread(buffer.take, n, version, timeout)``.
+asyncio: ``try_admit``, ``cancel_admission``, ``put``, ``put_and_admit``, ``ack``,
+``set_version`` and ``stats`` only take the lock briefly and may be called from a coroutine
+directly; ``take`` blocks, so call it as ``await asyncio.to_thread(buffer.take, n, version,
+timeout)``.
 
 Oldest first means lowest oldest-policy-version first: a slow group started under old weights
 is trained before it would go stale, instead of being overtaken by younger groups and dropped.
@@ -102,6 +103,11 @@ class MemoryBuffer(ReplayBuffer):
             heapq.heappush(self._heap, (key, next(self._arrival), group))
             self._touch()
             self._cond.notify_all()
+
+    def put_and_admit(self, group: Group, holder: str = "") -> bool:
+        with self._cond:  # both under one lock hold (a reentrant lock)
+            self.put(group, holder)
+            return self.try_admit(holder)
 
     # -- learner --------------------------------------------------------------------------
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:

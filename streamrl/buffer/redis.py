@@ -17,6 +17,8 @@ Keys of run ``<run>``::
     streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
     streamrl:<run>:queued  set, entry ids put and not yet taken (queued = SCARD)
     streamrl:<run>:taken   set, entry ids taken and not yet acked
+    streamrl:<run>:minv    hash, entry id -> min_version of each queued entry put by PUT (lets
+                           TAKE check and count a batch without reading its data)
 
 At a glance: ``redis-cli HGETALL streamrl:<run>:stats`` (counters, learner version) and
 ``redis-cli XINFO GROUPS streamrl:<run>:groups`` (``lag``: entries no learner has read yet;
@@ -35,14 +37,22 @@ Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, 
 XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
 
 Round trips (tests/buffer/test_redis_buffer.py counts them): ``try_admit``, ``put``,
-``cancel_admission``, ``set_version`` and ``ack`` (XACK and trim) are one script each; a
-``take`` of ready entries is one XREADGROUP COUNT n plus the counting script, and also publishes
-its learner version first when it is newer than the one this buffer stored, and polls XAUTOCLAIM
-at most once a second.
+``put_and_admit`` (the put and the next group's admission in one script), ``cancel_admission``,
+``set_version`` and ``ack`` (XACK and trim) are one script each. The awaitable calls a replica
+makes from its event loop (``atry_admit``, ``aput``, ``aput_and_admit``, ``acancel_admission``)
+go through that loop's writer (``_LoopWriter``): every call queued while a pipeline is out
+travels in the next one, consecutive puts as one PUT script (one XADD per group inside), so a
+replica with a few groups in flight pays well under one round trip per group; each caller gets
+its own result or error. A ``take`` of ready entries is one round trip: XREADGROUP COUNT n and
+the TAKE script pipelined, the script counting the batch the read delivered (and publishing the
+learner version) when it is complete and fresh; otherwise the entries are decoded first and
+counted with one CONSUME script. Every entry is decoded once. XAUTOCLAIM is polled at most once
+a second.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import logging
@@ -50,12 +60,15 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
 from redis.retry import Retry
 
 import streamrl.buffer.redis_scripts as lua
@@ -70,6 +83,8 @@ CONSUMER_GROUP = "learners"
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
 CONNECT_TIMEOUT_S = 5.0
+WRITER_PIPELINES = 2  # replica-call pipelines a writer keeps in flight at once
+PUT_BATCH = 256  # most groups one PUT call carries (Lua unpacks their ids at once)
 RETRY_BACKOFF_CAP_S = 1.0
 
 
@@ -81,8 +96,7 @@ def _outage_is_fatal(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise RunStopped(f"buffer.redis_url={self._url!r}: Redis unreachable for "
-                             f"buffer.redis_outage_s={self.outage_s:g} ({exc})") from None
+            raise self._outage(exc) from None
     return wrapper  # type: ignore[return-value]
 
 
@@ -95,6 +109,7 @@ class RunKeys:
     queued: str
     taken: str
     holders: str
+    minv: str
 
     @classmethod
     def of(cls, run: str) -> RunKeys:
@@ -102,11 +117,17 @@ class RunKeys:
             raise ConfigError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
         p = f"streamrl:{run}:"
         return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken",
-                   p + "holders")
+                   p + "holders", p + "minv")
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _id_order(eid: bytes) -> tuple[int, int]:
+    """A stream entry id (``<ms>-<seq>``) as numbers, for ordering."""
+    ms, _, seq = eid.partition(b"-")
+    return int(ms), int(seq or 0)
 
 
 class _Entry(NamedTuple):
@@ -117,15 +138,121 @@ class _Entry(NamedTuple):
     oldest: int | None
     """``group.min_version``, read from the entry's field: PUT wrote it from the same group in
     the same XADD, and scanning every token's version again costs more than the decode."""
+    counted: bool
+    """Counted as consumed when read (TAKE); else CONSUME counts it when it is returned."""
 
     def staleness(self, learner_version: int) -> int:
         return 0 if self.oldest is None else learner_version - self.oldest
 
 
+class _Call(NamedTuple):
+    """One script call a replica's event loop queued for its writer."""
+
+    script: Script
+    args: list[Any]
+    future: asyncio.Future[Any]
+
+
+class _LoopWriter:
+    """Sends the awaitable replica calls made on one event loop, from that loop: each round
+    trip one pipeline of every call queued meanwhile (``RedisBuffer._send``), with up to
+    ``WRITER_PIPELINES`` pipelines in flight at once (each on its own connection).
+
+    ``submit`` queues a call and schedules a flush for when the loop has run the callbacks
+    already ready, so the calls a loop iteration's tasks make travel together; a pipeline that
+    completes flushes what queued meanwhile. Cancelling a caller does not withdraw its call.
+    Calls in flight together are not ordered among themselves; a call made after another's
+    reply runs after it (each script is atomic). No thread: it would contend with the loop for
+    the GIL at every socket call."""
+
+    def __init__(self, buffer: RedisBuffer, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = _connect_async(buffer._url, buffer.outage_s)
+        self._buffer = buffer
+        self._loop = loop
+        self._queue: list[_Call] = []
+        self._flush_due = False
+        self._sends: set[asyncio.Task[None]] = set()
+        self._stopped = ""  # why queued calls can no longer be sent
+
+    def submit(self, script: Script, args: list[Any]) -> asyncio.Future[Any]:
+        future = self._loop.create_future()
+        call = _Call(script, args, future)
+        if self._stopped:
+            self._fail([call], self._stopped)
+            return future
+        self._queue.append(call)
+        if not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        """Send what is queued, shared evenly among the pipelines free now (the server works
+        on one share while the next is sent); a pipeline that completes flushes again."""
+        self._flush_due = False
+        while self._queue and len(self._sends) < WRITER_PIPELINES:
+            share = -(-len(self._queue) // (WRITER_PIPELINES - len(self._sends)))
+            calls, self._queue = self._queue[:share], self._queue[share:]
+            send = self._loop.create_task(self._send(calls),
+                                          name=f"redis-buffer-{self._buffer.run}-writer")
+            self._sends.add(send)
+            send.add_done_callback(self._sent)
+
+    def _sent(self, send: asyncio.Task[None]) -> None:
+        self._sends.discard(send)
+        if send.cancelled():  # the loop is closing: what is queued will not be sent
+            self._stopped = "its event loop is closing"
+            self._fail(self._queue, self._stopped)
+            self._queue = []
+            return
+        if send.exception() is not None:  # its calls failed with it; later ones may not
+            log.error("buffer %s: writer pipeline failed", self._buffer.run,
+                      exc_info=send.exception())
+        self._flush()
+
+    async def _send(self, calls: list[_Call]) -> None:
+        why = "the event loop cancelled it"
+        try:
+            await self._buffer._send(self.client, calls)
+        except Exception as exc:  # _send settles calls with their errors: a bug if we get here
+            why = repr(exc)
+            raise
+        finally:  # normally every call is settled by now
+            self._fail([c for c in calls if not c.future.done()], why)
+
+    def _fail(self, calls: list[_Call], why: str) -> None:
+        for call in calls:
+            call.future.set_exception(RuntimeError(
+                f"buffer {self._buffer.run!r}: its writer stopped ({why}) before this call's "
+                "reply came; the call may or may not have been applied"))
+
+    async def aclose(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the queued calls to be sent, then disconnect."""
+        deadline = self._loop.time() + timeout_s
+        while self._sends or self._queue:
+            self._flush()
+            remaining = deadline - self._loop.time()
+            if remaining <= 0 or not self._sends:
+                break
+            await asyncio.wait(set(self._sends), timeout=remaining)
+        if self._sends or self._queue:
+            log.error("buffer %s: closed with replica calls still unsent after %.0f s "
+                      "(Redis at %s not answering); they fail", self._buffer.run, timeout_s,
+                      self._buffer._url)
+            self._stopped = f"closed after waiting {timeout_s:.0f} s for Redis"
+            self._fail(self._queue, self._stopped)
+            self._queue = []
+            for send in list(self._sends):
+                send.cancel()
+            await asyncio.gather(*self._sends, return_exceptions=True)
+        await self.client.aclose()
+
+
 class RedisBuffer(ReplayBuffer):
     """``ReplayBuffer`` over one Redis stream + consumer group (see the module docstring).
 
-    Replicas (any process) call ``try_admit`` / ``put``; one learner process (consumer name
+    Replicas (any process) call ``try_admit`` / ``put`` / ``put_and_admit``, or from an event
+    loop their awaitable twins (sent by that loop's writer); one learner process (consumer name
     ``consumer``) calls ``take`` / ``ack``. Take order is stream order (arrival); each returned
     batch is sorted oldest policy version first.
     """
@@ -160,13 +287,22 @@ class RedisBuffer(ReplayBuffer):
         self._admit, self._cancel, self._put = s(lua.ADMIT), s(lua.CANCEL), s(lua.PUT)
         self._release = s(lua.RELEASE)
         self._set_version, self._consume = s(lua.SET_VERSION), s(lua.CONSUME)
+        self._take = s(lua.TAKE)
         self._discard, self._ack, self._rebase = s(lua.DISCARD), s(lua.ACK), s(lua.REBASE)
+        k = self.keys
+        self._admit_keys = [k.stats, k.holders]  # ADMIT, CANCEL, RELEASE
+        self._put_keys = [k.stats, k.ids, k.groups, k.queued, k.holders, k.minv]
+        # Awaitable replica calls: one writer per event loop, made by its first call.
+        self._writers: dict[asyncio.AbstractEventLoop, _LoopWriter] = {}
+        self._writers_lock = threading.Lock()
+        self._closing: set[asyncio.Task[None]] = set()  # writers closing on their own loop
         self._lock = threading.Lock()  # learner-side state below
         self._skip: set[str] = set(skip_ids)
         self._held: list[_Entry] = []  # read, fresh, not yet returned
         self._outstanding: dict[str, bytes] = {}  # group_id -> entry id: returned, not acked
         self._recover_from: bytes | None = b"0"  # read own pending entries first (crash restart)
         self._claim_from: bytes = b"0-0"
+        self._seen = b"0-0"  # highest entry id delivered to this consumer that it has seen
         self._next_claim = 0.0
         # Highest learner version this buffer has stored: take publishes only a newer one, so a
         # step's take slices cost no SET_VERSION round trip (stored versions only rise, except
@@ -199,32 +335,121 @@ class RedisBuffer(ReplayBuffer):
             )
 
     # -- replicas -------------------------------------------------------------------------
+    # The sync calls are one script round trip each, on the caller's thread. The awaitable ones
+    # (what replicas call from their event loop) go through that loop's writer, which sends the
+    # calls queued together in one pipeline, consecutive puts as one PUT call: with a few groups
+    # in flight, a round trip carries several puts and admissions.
     @_outage_is_fatal
     def try_admit(self, holder: str = "") -> bool:
-        return bool(self._admit(keys=[self.keys.stats, self.keys.holders], args=[holder]))
+        return bool(self._admit(keys=self._admit_keys, args=[holder]))
+
+    def atry_admit(self, holder: str = "") -> Awaitable[bool]:
+        return self._submit(self._admit, [holder])
 
     @_outage_is_fatal
     def cancel_admission(self, holder: str = "") -> None:
         try:
-            self._cancel(keys=[self.keys.stats, self.keys.holders], args=[holder])
+            self._cancel(keys=self._admit_keys, args=[holder])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
 
+    def acancel_admission(self, holder: str = "") -> Awaitable[None]:
+        return self._submit(self._cancel, [holder])
+
     @_outage_is_fatal
     def release(self, holder: str) -> int:
-        return int(self._release(keys=[self.keys.stats, self.keys.holders], args=[holder]))
+        return int(self._release(keys=self._admit_keys, args=[holder]))
 
     @_outage_is_fatal
     def put(self, group: Group, holder: str = "") -> None:
+        self._put(keys=self._put_keys, args=self._put_args(group, holder, admit_next=False))
+
+    def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
+        return self._submit(self._put, self._put_args(group, holder, admit_next=False))
+
+    @_outage_is_fatal
+    def put_and_admit(self, group: Group, holder: str = "") -> bool:
+        reply = self._put(keys=self._put_keys, args=self._put_args(group, holder, admit_next=True))
+        return bool(int(reply[1]))
+
+    def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
+        return self._submit(self._put, self._put_args(group, holder, admit_next=True))
+
+    def _put_args(self, group: Group, holder: str, admit_next: bool) -> list[Any]:
+        """PUT's six arguments for one group (encoded here, on the caller's thread)."""
         if not isinstance(group, Group):
             raise TypeError(f"put: expected a Group, got {type(group).__name__}")
         oldest = group.min_version
-        self._put(
-            keys=[self.keys.stats, self.keys.ids, self.keys.groups, self.keys.queued,
-                  self.keys.holders],
-            args=[group.group_id, -1 if oldest is None else oldest, encode(group), holder,
-                  producer(holder)],
-        )
+        return [group.group_id, -1 if oldest is None else oldest, encode(group), holder,
+                producer(holder), int(admit_next)]
+
+    def _submit(self, script: Script, args: list[Any]) -> asyncio.Future[Any]:
+        """Queue one script call for this event loop's writer; the call is under way when this
+        returns (cancelling the returned future does not withdraw it)."""
+        loop = asyncio.get_running_loop()
+        with self._writers_lock:
+            writer = self._writers.get(loop)
+            if writer is None:
+                for old in [old for old in self._writers if old.is_closed()]:
+                    del self._writers[old]  # (asyncio.run per call: tests, scripts)
+                writer = self._writers[loop] = _LoopWriter(self, loop)
+        return writer.submit(script, args)
+
+    async def _send(self, client: redis.asyncio.Redis, calls: list[_Call]) -> None:
+        """Send ``calls`` in one pipeline (consecutive puts as one PUT call) and settle each
+        call's future with its result or error."""
+        commands: list[tuple[Script, list[Any], list[_Call]]] = []
+        for call in calls:
+            if (call.script is self._put and commands and commands[-1][0] is self._put
+                    and len(commands[-1][2]) < PUT_BATCH):
+                commands[-1][1].extend(call.args)
+                commands[-1][2].append(call)
+            else:
+                commands.append((call.script, list(call.args), [call]))
+        try:
+            for attempt in (1, 2):
+                pipe = client.pipeline(transaction=False)
+                for script, args, _ in commands:
+                    keys = self._put_keys if script is self._put else self._admit_keys
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                replies = await pipe.execute(raise_on_error=False)
+                lost = []  # scripts Redis no longer knows (it restarted): not run; load, resend
+                for command, reply in zip(commands, replies):
+                    if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 1:
+                        lost.append(command)
+                    else:
+                        self._settle(command[0], command[2], reply)
+                if not lost:
+                    return
+                for script in {id(c[0]): c[0] for c in lost}.values():
+                    await client.script_load(script.script)
+                commands = lost
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            error: Exception = self._outage(exc)
+        except Exception as exc:  # handed to every caller
+            error = exc
+        for _, _, waiting in commands:
+            for call in waiting:
+                if not call.future.done():
+                    call.future.set_exception(error)
+
+    def _settle(self, script: Script, calls: list[_Call], reply: Any) -> None:
+        """Give each call of one command its result (a caller that was cancelled has none)."""
+        if isinstance(reply, Exception) and script is self._cancel:
+            reply = ValueError(str(reply))
+        for i, call in enumerate(calls):
+            if call.future.done():
+                continue
+            if isinstance(reply, Exception):
+                call.future.set_exception(reply)
+            elif script is self._put:  # two numbers per group: put, admitted
+                call.future.set_result(bool(int(reply[2 * i + 1])) if call.args[5] else None)
+            else:
+                call.future.set_result(bool(reply) if script is self._admit else None)
+
+    def _outage(self, exc: Exception) -> RunStopped:
+        return RunStopped(f"buffer.redis_url={self._url!r}: Redis unreachable for "
+                          f"buffer.redis_outage_s={self.outage_s:g} ({exc})")
 
     # -- learner --------------------------------------------------------------------------
     @_outage_is_fatal
@@ -233,16 +458,16 @@ class RedisBuffer(ReplayBuffer):
             raise ValueError(f"take: n={n} must be > 0")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if learner_version > self._published:  # before waiting: it opens admission
-                self._publish(learner_version, strict=False)
             while True:
                 self._held = [e for e in self._held if self._keep(e, learner_version)]
                 if len(self._held) >= n:
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 block = _POLL_MS if remaining is None else min(_POLL_MS, int(remaining * 1000))
-                for eid, fields in self._read(n - len(self._held), block if block > 0 else None):
-                    entry = self._admit_entry(eid, fields)
+                for eid, fields, counted in self._read(n - len(self._held),
+                                                       block if block > 0 else None,
+                                                       learner_version):
+                    entry = self._admit_entry(eid, fields, counted)
                     if entry is not None and self._keep(entry, learner_version):
                         self._held.append(entry)
                 if len(self._held) >= n:
@@ -255,45 +480,81 @@ class RedisBuffer(ReplayBuffer):
             batch, self._held = self._held[:n], self._held[n:]
             args: list[Any] = [learner_version]
             for entry in batch:
-                args += [entry.eid, entry.staleness(learner_version)]
+                if not entry.counted:
+                    args += [entry.eid, entry.staleness(learner_version)]
                 self._outstanding[entry.group.group_id] = entry.eid
-            self._consume(keys=[self.keys.stats, self.keys.queued, self.keys.taken], args=args)
-            self._published = max(self._published, learner_version)  # CONSUME raised it too
+            if len(args) > 1 or learner_version > self._published:
+                self._consume(keys=[self.keys.stats, self.keys.queued, self.keys.taken,
+                                    self.keys.minv], args=args)
+                self._published = learner_version  # CONSUME raised it too
         batch.sort(key=lambda e: (sys.maxsize if e.oldest is None else e.oldest, e.eid))
         return [entry.group for entry in batch]
 
-    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, dict]]:
-        """Next entries for this consumer: own pending after a restart, claims, then new ones."""
-        known = set(self._outstanding.values()) | {entry.eid for entry in self._held}
-        while self._recover_from is not None:
-            raw = self._xreadgroup(self._recover_from, count, None)
-            self._recover_from = raw[-1][0] if raw else None
-            got = [(eid, f) for eid, f in raw if eid not in known]
-            if got:
-                return got
-        now = time.monotonic()
-        if now >= self._next_claim:
-            self._next_claim = now + min(1.0, self.claim_idle_ms / 2000)
-            cursor, claimed, *_ = self._r.xautoclaim(
-                self.keys.groups, CONSUMER_GROUP, self.consumer, self.claim_idle_ms,
-                start_id=self._claim_from, count=count,
-            )
-            self._claim_from = cursor
-            claimed = [(eid, f) for eid, f in claimed if eid not in known]
-            if claimed:
-                log.warning("buffer %s: claimed %d unacked entries of a vanished learner",
-                            self.run, len(claimed))
-                return claimed
-        return self._xreadgroup(b">", count, block_ms)
+    def _read(self, count: int, block_ms: int | None, learner_version: int
+              ) -> list[tuple[bytes, dict | None, bool]]:
+        """Next entries for this consumer, each with whether it was counted as consumed already:
+        own pending after a restart, claims, then new ones (TAKE, then a blocking XREADGROUP
+        when TAKE found none). TAKE publishes the learner version before any wait: it opens
+        admission."""
+        if self._recover_from is not None or time.monotonic() >= self._next_claim:
+            known = set(self._outstanding.values()) | {entry.eid for entry in self._held}
+            while self._recover_from is not None:
+                raw = self._xreadgroup(self._recover_from, count, None)
+                self._recover_from = raw[-1][0] if raw else None
+                got = [(eid, f, False) for eid, f in raw if eid not in known]
+                if got:
+                    return got
+            now = time.monotonic()
+            if now >= self._next_claim:
+                self._next_claim = now + min(1.0, self.claim_idle_ms / 2000)
+                cursor, claimed, *_ = self._r.xautoclaim(
+                    self.keys.groups, CONSUMER_GROUP, self.consumer, self.claim_idle_ms,
+                    start_id=self._claim_from, count=count,
+                )
+                self._claim_from = cursor
+                claimed = [(eid, f, False) for eid, f in self._seeing(claimed) if eid not in known]
+                if claimed:
+                    log.warning("buffer %s: claimed %d unacked entries of a vanished learner",
+                                self.run, len(claimed))
+                    return claimed
+        k = self.keys
+        args = [CONSUMER_GROUP, self.consumer, self._seen, count, learner_version,
+                self.admission.max_staleness]
+        pipe = self._r.pipeline(transaction=False)  # XREADGROUP, then TAKE counts what it read
+        pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {k.groups: b">"}, count=count)
+        pipe.evalsha(self._take.sha, 5, k.stats, k.queued, k.taken, k.groups, k.minv, *args)
+        reply, ids = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(ids, redis.exceptions.NoScriptError):  # Redis restarted: load, rerun
+            ids = self._take(keys=[k.stats, k.queued, k.taken, k.groups, k.minv], args=args)
+        elif isinstance(ids, Exception):
+            raise ids
+        counted = set(ids)
+        self._published = max(self._published, learner_version)
+        entries = self._seeing(list(reply[0][1]) if reply else [])
+        if entries:
+            return [(eid, f, eid in counted) for eid, f in entries]
+        if block_ms is None:
+            return []
+        return [(eid, f, False) for eid, f in self._xreadgroup(b">", count, block_ms)]
 
     def _xreadgroup(self, start: bytes, count: int, block_ms: int | None) -> list:
         reply = self._r.xreadgroup(
             CONSUMER_GROUP, self.consumer, {self.keys.groups: start}, count=count, block=block_ms
         )
-        return list(reply[0][1]) if reply else []
+        return self._seeing(list(reply[0][1]) if reply else [])
 
-    def _admit_entry(self, eid: bytes, fields: dict | None) -> _Entry | None:
-        """Decode one entry (once); skipped or malformed entries are acked here and yield None."""
+    def _seeing(self, entries: list) -> list:
+        """``entries``, after noting the highest id among them (TAKE counts what comes after)."""
+        for eid, _ in entries:
+            if _id_order(eid) > _id_order(self._seen):
+                self._seen = eid
+        return entries
+
+    def _admit_entry(self, eid: bytes, fields: dict | None, counted: bool) -> _Entry | None:
+        """Decode one entry (once); skipped or malformed entries are acked here and yield None.
+        ``counted``: TAKE counted it as consumed already."""
         gid = _s(fields.get(b"group_id", b"")) if fields else ""
         if gid and gid in self._skip:
             self._discard_entry(eid, "skipped", "already trained (skip_ids)")
@@ -317,7 +578,7 @@ class RedisBuffer(ReplayBuffer):
             oldest: int | None = int(fields[b"min_version"])
         except (KeyError, ValueError):  # an entry that bypassed PUT: read it from the tokens
             oldest = group.min_version
-        return _Entry(eid, group, None if oldest == -1 else oldest)
+        return _Entry(eid, group, None if oldest == -1 else oldest, counted)
 
     def _keep(self, entry: _Entry, learner_version: int) -> bool:
         staleness = entry.staleness(learner_version)
@@ -332,7 +593,7 @@ class RedisBuffer(ReplayBuffer):
             log.warning("buffer %s: %s entry %s: %s", self.run, kind, _s(eid), reason)
         k = self.keys
         self._discard(
-            keys=[k.stats, k.queued, k.taken, k.groups, k.dead],
+            keys=[k.stats, k.queued, k.taken, k.groups, k.dead, k.minv],
             args=[eid, kind, reason, CONSUMER_GROUP],
         )
 
@@ -431,11 +692,52 @@ class RedisBuffer(ReplayBuffer):
     def purge(self) -> None:
         """Delete every key of this run (tests, benchmarks, starting a run name afresh)."""
         k = self.keys
-        self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken, k.holders)
+        self._r.delete(k.groups, k.stats, k.dead, k.ids, k.queued, k.taken, k.holders, k.minv)
         self._published = -1
+        self._seen = b"0-0"
 
     def close(self) -> None:
+        """Send the queued awaitable replica calls (waiting up to ``outage_s`` plus the connect
+        timeout; calls still unsent then fail, each with an error its caller sees), then
+        disconnect. Called on the writer's own loop, it cannot wait: the writer disconnects
+        once its queue is sent. The buffer stays usable: a later call reconnects."""
+        with self._writers_lock:
+            writers, self._writers = list(self._writers.items()), {}
+        timeout_s = self.outage_s + CONNECT_TIMEOUT_S
+        here = _running_loop()
+        for loop, writer in writers:
+            if loop.is_closed():
+                continue
+            closing = writer.aclose(timeout_s)
+            if here is loop:
+                task = loop.create_task(closing)
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            elif loop.is_running():  # another thread's loop
+                asyncio.run_coroutine_threadsafe(closing, loop).result(timeout_s + 5)
+            elif here is None:
+                loop.run_until_complete(closing)
+            else:  # a stopped loop, while another one runs here: it cannot run now
+                closing.close()
+                log.warning("buffer %s: close() left the writer of a stopped event loop "
+                            "open (call it from that loop, or await aclose() there)", self.run)
         self._r.close()
+
+    async def aclose(self) -> None:
+        """``close`` for an event loop that made awaitable replica calls, from that loop: waits
+        for the calls it queued (without blocking the loop), then disconnects its writer. The
+        sync client and other loops' writers are ``close``'s."""
+        with self._writers_lock:
+            writer = self._writers.pop(asyncio.get_running_loop(), None)
+        if writer is not None:
+            await writer.aclose(self.outage_s + CONNECT_TIMEOUT_S)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
@@ -454,14 +756,28 @@ def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
                           "redis-server, or point buffer.redis_url at one") from exc
     finally:
         probe.close()
-    backoff = ExponentialBackoff(cap=RETRY_BACKOFF_CAP_S, base=0.05)
-    retries, waited = 0, 0.0
-    while waited < outage_s:  # as many retries as their backoffs take to add up to outage_s
-        retries += 1
-        waited += backoff.compute(retries)
+    backoff, retries = _backoff(outage_s)
     return redis.Redis.from_url(
         url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff, retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def _connect_async(url: str, outage_s: float) -> redis.asyncio.Redis:
+    """The asyncio client of a writer, retrying like ``_connect``'s (the URL was checked)."""
+    backoff, retries = _backoff(outage_s)
+    return redis.asyncio.Redis.from_url(
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=AsyncRetry(backoff, retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+
+def _backoff(outage_s: float) -> tuple[ExponentialBackoff, int]:
+    """The backoff, and as many retries as their backoffs take to add up to ``outage_s``."""
+    backoff = ExponentialBackoff(cap=RETRY_BACKOFF_CAP_S, base=0.05)
+    retries, waited = 0, 0.0
+    while waited < outage_s:
+        retries += 1
+        waited += backoff.compute(retries)
+    return backoff, retries
 
 
 # --- `streamrl buffer stats` -------------------------------------------------------------------

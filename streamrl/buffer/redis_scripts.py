@@ -2,11 +2,12 @@
 it counts.
 
 One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``RELEASE``, ``PUT``,
-``SET_VERSION``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the shared
-helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``set_queued`` sets
-``queued`` from the queued set, ``settle`` retires one of a holder's admissions)
+``SET_VERSION``, ``TAKE``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the
+shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``set_queued`` sets
+``queued`` from the queued set, ``settle`` retires one of a holder's admissions, ``count_taken``
+counts taken entries as consumed)
 and documented with its KEYS, ARGV and reply. Key names are those of ``redis.RunKeys``: stats
-and holders (hashes), ids / queued / taken (sets), groups / dead (streams).
+holders and minv (hashes), ids / queued / taken (sets), groups / dead (streams).
 
 Dependencies: none; ``buffer/redis.py`` registers these scripts and is their only user.
 """
@@ -24,6 +25,31 @@ local function settle(h, holders, holder)
   if redis.call('HINCRBY', holders, holder, -1) == 0 then redis.call('HDEL', holders, holder) end
   redis.call('HINCRBY', h, 'in_flight', -1)
   return true
+end
+-- Count taken entries as consumed, once each (a crash can deliver one twice), with their
+-- staleness; ids and stalenesses are parallel lists. Returns how many were newly counted.
+local function count_taken(h, queued, taken, ids, stalenesses)
+  local n, ssum, smax = 0, 0, num(h, 'staleness_max')
+  for i, id in ipairs(ids) do
+    if redis.call('SADD', taken, id) == 1 then
+      if redis.call('SREM', queued, id) == 0 then
+        redis.call('HINCRBY', h, 'started', 1)  -- an entry that bypassed put
+        redis.call('HINCRBY', h, 'produced', 1)
+      end
+      local s = stalenesses[i]
+      n = n + 1
+      ssum = ssum + s
+      if s > smax then smax = s end
+    end
+  end
+  if n > 0 then
+    redis.call('HINCRBY', h, 'consumed', n)
+    local cnt = redis.call('HINCRBY', h, 'staleness_count', n)
+    local sum = redis.call('HINCRBY', h, 'staleness_sum', ssum)
+    redis.call('HSET', h, 'staleness_max', smax, 'staleness_mean',
+               string.format('%.4f', sum / cnt))
+  end
+  return n
 end
 """
 
@@ -87,30 +113,88 @@ end
 return n
 """
 
-# Append a group to the stream, at most once per group_id, and move its slot to queued; count
-# it for its producer ('produced:<p>', and 'version:<p>' its min_version: how far behind the
-# learner that producer samples).
-# KEYS: stats ids groups queued holders; ARGV: group_id min_version (-1: none) data holder
-# producer ('': none).
-# Returns 1, or 0 when group_id was put before (put is idempotent).
+# Append groups to the stream, each at most once per group_id, and move each one's slot to
+# queued (one of its holder's admissions is settled; a put without one takes a fresh slot, so
+# started = consumed + queued + in_flight); count each for its producer ('produced:<p>', and
+# 'version:<p>' its min_version: how far behind the learner that producer samples). A group may
+# also claim its holder's next slot (admit_next '1'), as ADMIT would, right after its put: a
+# replica's put and its next admission are one round trip. A batch of groups is one call (the
+# buffer's writer sends every put queued meanwhile at once, at most PUT_BATCH): one XADD per
+# group; the sets, the minv hash and the counters are written once per batch.
+# KEYS: stats ids groups queued holders minv (entry id -> min_version, for TAKE);
+# ARGV: 6 per group: group_id min_version (-1: none) data holder producer ('': none) admit_next.
+# Returns 2 per group: put (1, or 0 when group_id was put before: put is idempotent) and
+# admitted (1 when admit_next claimed a slot, else 0).
 PUT = _HELPERS + """
-local h = KEYS[1]
-if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-local id = redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[1], 'min_version', ARGV[2],
-                      'data', ARGV[3])
-redis.call('SADD', KEYS[4], id)
-if not settle(h, KEYS[5], ARGV[4]) then
-  -- put without admission: it still holds a slot, so started = consumed+queued+in_flight
-  redis.call('HINCRBY', h, 'started', 1)
+local h, holders = KEYS[1], KEYS[5]
+local s = redis.call('HMGET', h, 'learner_version', 'groups_per_step', 'max_staleness',
+                     'started')
+local capacity = (tonumber(s[1] or '0') + tonumber(s[3] or '0') + 1) * tonumber(s[2] or '0')
+local started = tonumber(s[4] or '0')
+local started0, in_flight, produced = started, 0, 0
+local held, held0, by_producer, last_version = {}, {}, {}, {}
+local gids = {}
+for i = 1, #ARGV, 6 do gids[#gids + 1] = ARGV[i] end
+local seen = redis.call('SMISMEMBER', KEYS[2], unpack(gids))
+local new_gids, new_ids, versions, out, batch = {}, {}, {}, {}, {}
+for k, gid in ipairs(gids) do
+  local i = 6 * k - 5
+  local mv, holder, p = ARGV[i + 1], ARGV[i + 3], ARGV[i + 4]
+  if held[holder] == nil then
+    held[holder] = num(holders, holder)
+    held0[holder] = held[holder]
+  end
+  local put, admitted = 0, 0
+  if seen[k] == 0 and not batch[gid] then  -- the same group twice in a batch: the first counts
+    batch[gid] = true
+    local id = redis.call('XADD', KEYS[3], '*', 'group_id', gid, 'min_version', mv,
+                          'data', ARGV[i + 2])
+    new_gids[#new_gids + 1] = gid
+    new_ids[#new_ids + 1] = id
+    versions[#versions + 1] = id
+    versions[#versions + 1] = mv
+    if held[holder] > 0 then  -- settle one of the holder's admissions
+      held[holder] = held[holder] - 1
+      in_flight = in_flight - 1
+    else  -- a put without admission still holds a slot
+      started = started + 1
+    end
+    produced = produced + 1
+    if p ~= '' then
+      by_producer[p] = (by_producer[p] or 0) + 1
+      if mv ~= '-1' then last_version[p] = mv end
+    end
+    put = 1
+  end
+  if ARGV[i + 5] == '1' and started < capacity then  -- the bound, as ADMIT checks it
+    started = started + 1
+    in_flight = in_flight + 1
+    held[holder] = held[holder] + 1
+    admitted = 1
+  end
+  out[#out + 1] = put
+  out[#out + 1] = admitted
 end
-redis.call('HINCRBY', h, 'produced', 1)
-if ARGV[5] ~= '' then
-  redis.call('HINCRBY', h, 'produced:' .. ARGV[5], 1)
-  if ARGV[2] ~= '-1' then redis.call('HSET', h, 'version:' .. ARGV[5], ARGV[2]) end
+if started == started0 and produced == 0 and in_flight == 0 then return out end
+if produced > 0 then
+  redis.call('SADD', KEYS[2], unpack(new_gids))
+  redis.call('SADD', KEYS[4], unpack(new_ids))
+  redis.call('HSET', KEYS[6], unpack(versions))
+  redis.call('HINCRBY', h, 'produced', produced)
 end
+for holder, n in pairs(held) do
+  if n ~= held0[holder] then
+    if n == 0 then redis.call('HDEL', holders, holder)
+    else redis.call('HINCRBY', holders, holder, n - held0[holder]) end
+  end
+end
+if started ~= started0 then redis.call('HINCRBY', h, 'started', started - started0) end
+if in_flight ~= 0 then redis.call('HINCRBY', h, 'in_flight', in_flight) end
+for p, n in pairs(by_producer) do redis.call('HINCRBY', h, 'produced:' .. p, n) end
+for p, v in pairs(last_version) do redis.call('HSET', h, 'version:' .. p, v) end
 set_queued(h, KEYS[4])
 touch(h)
-return 1
+return out
 """
 
 # Raise the learner version (never lower it).
@@ -132,48 +216,74 @@ touch(h)
 return v
 """
 
+# Count the batch the learner's XREADGROUP '>' COUNT count just delivered (sent before this in
+# one pipeline: a take is one round trip), as CONSUME would, when it is complete: `count`
+# entries delivered to `consumer` after `after_id` (the last entry id it had seen), each put by
+# PUT (queued, its min_version in the minv hash) and no older than the bound. Otherwise nothing
+# is counted here: the learner decodes, drops and dead-letters what it must, and counts the rest
+# with CONSUME. Raises the learner version first (never lowers it): before the learner waits.
+# KEYS: stats queued taken groups minv;
+# ARGV: consumer_group consumer after_id count learner_version max_staleness.
+# Returns the ids counted (the learner checks them against what it read: a retried pipeline
+# may have delivered others first), {} when none.
+TAKE = _HELPERS + """
+local h = KEYS[1]
+local v, count, eta = tonumber(ARGV[5]), tonumber(ARGV[4]), tonumber(ARGV[6])
+if v > num(h, 'learner_version') then
+  redis.call('HSET', h, 'learner_version', v)
+  touch(h)
+end
+local pending = redis.call('XPENDING', KEYS[4], ARGV[1], '(' .. ARGV[3], '+', count, ARGV[2])
+if #pending < count then return {} end
+local ids, stalenesses = {}, {}
+for i, p in ipairs(pending) do ids[i] = p[1] end
+local versions = redis.call('HMGET', KEYS[5], unpack(ids))
+for i, id in ipairs(ids) do
+  local mv = tonumber(versions[i])
+  if mv == nil or redis.call('SISMEMBER', KEYS[2], id) == 0 then return {} end
+  local s = 0
+  if mv ~= -1 then s = v - mv end
+  if s > eta then return {} end
+  stalenesses[i] = s
+end
+count_taken(h, KEYS[2], KEYS[3], ids, stalenesses)
+redis.call('HDEL', KEYS[5], unpack(ids))
+set_queued(h, KEYS[2])
+touch(h)
+return ids
+"""
+
 # Count taken entries as consumed, once each, with their staleness; raise the learner version.
-# KEYS: stats queued taken; ARGV: version, then (entry id, staleness) pairs.
+# KEYS: stats queued taken minv; ARGV: version, then (entry id, staleness) pairs.
 # Returns how many entries were newly counted.
 CONSUME = _HELPERS + """
 local h = KEYS[1]
 if tonumber(ARGV[1]) > num(h, 'learner_version') then
   redis.call('HSET', h, 'learner_version', ARGV[1])
 end
-local n, ssum, smax = 0, 0, num(h, 'staleness_max')
+local ids, stalenesses = {}, {}
 for i = 2, #ARGV, 2 do
-  -- Counted once per entry, even when a crash makes it delivered twice.
-  if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
-    if redis.call('SREM', KEYS[2], ARGV[i]) == 0 then
-      redis.call('HINCRBY', h, 'started', 1)  -- an entry that bypassed put
-      redis.call('HINCRBY', h, 'produced', 1)
-    end
-    local s = tonumber(ARGV[i + 1])
-    n = n + 1
-    ssum = ssum + s
-    if s > smax then smax = s end
-  end
+  ids[#ids + 1] = ARGV[i]
+  stalenesses[#stalenesses + 1] = tonumber(ARGV[i + 1])
 end
-if n > 0 then
-  redis.call('HINCRBY', h, 'consumed', n)
-  local cnt = redis.call('HINCRBY', h, 'staleness_count', n)
-  local sum = redis.call('HINCRBY', h, 'staleness_sum', ssum)
-  redis.call('HSET', h, 'staleness_max', smax, 'staleness_mean', string.format('%.4f', sum / cnt))
-end
+local n = count_taken(h, KEYS[2], KEYS[3], ids, stalenesses)
+if #ids > 0 then redis.call('HDEL', KEYS[4], unpack(ids)) end
 set_queued(h, KEYS[2])
 touch(h)
 return n
 """
 
 # Ack an entry the learner will not train on and fix the counters its kind moves.
-# KEYS: stats queued taken groups dead;
+# KEYS: stats queued taken groups dead minv;
 # ARGV: entry_id kind (dropped | malformed | skipped) reason consumer_group.
-# dropped frees its admission slot; malformed is copied to the dead-letter stream. Returns 1.
+# dropped frees its admission slot; malformed frees it too and is copied to the dead-letter
+# stream (a malformed entry TAKE counted as consumed is uncounted). Returns 1.
 DISCARD = _HELPERS + """
 local h, id, kind = KEYS[1], ARGV[1], ARGV[2]
 redis.call('XACK', KEYS[4], ARGV[4], id)
 local was_queued = redis.call('SREM', KEYS[2], id)
 local was_taken = redis.call('SREM', KEYS[3], id)
+redis.call('HDEL', KEYS[6], id)
 if kind == 'dropped' then
   redis.call('HINCRBY', h, 'dropped', 1)
   -- give the admission slot back, so a replica can start a replacement (no deadlock)
@@ -181,7 +291,8 @@ if kind == 'dropped' then
   if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
 elseif kind == 'malformed' then
   redis.call('HINCRBY', h, 'malformed', 1)
-  if was_queued == 1 then redis.call('HINCRBY', h, 'started', -1) end
+  if was_queued == 1 or was_taken == 1 then redis.call('HINCRBY', h, 'started', -1) end
+  if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
   local fields = {'source_id', id, 'reason', ARGV[3]}
   local entry = redis.call('XRANGE', KEYS[4], id, id)[1]
   if entry then

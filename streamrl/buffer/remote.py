@@ -64,6 +64,12 @@ class RemoteBuffer(ReplayBuffer):
     def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
         return self.handle.put.remote(group, holder)
 
+    def put_and_admit(self, group: Group, holder: str = "") -> bool:
+        return bool(ray.get(self.handle.put_and_admit.remote(group, holder)))
+
+    def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
+        return self.handle.put_and_admit.remote(group, holder)  # one actor call for both
+
     def release(self, holder: str) -> int:
         return int(ray.get(self.handle.release.remote(holder)))
 

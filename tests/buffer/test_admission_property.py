@@ -12,15 +12,18 @@ learner that takes B groups per step, acks them and bumps its version. After eve
   refused admission while the learner still waits fails the test);
 - with replicas in sync that finish in admission order, nothing is ever dropped;
 - a replica that dies (``release`` of its holder) gives back exactly the slots it held, and a
-  late put from it still keeps the accounting exact.
+  late put from it still keeps the accounting exact;
+- a put that also claims the holder's next slot (``put_and_admit``, sync or from an event loop)
+  claims it exactly when ``try_admit`` would have.
 
 The same machine runs against the memory backend and (fewer examples) the Redis backend.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -53,6 +56,7 @@ class BufferMachine(RuleBasedStateMachine):
         # (holder, replica weight version at admission), in admission order
         self.in_flight: list[tuple[str, int]] = []
         self.taken: set[str] = set()
+        self.loop = asyncio.new_event_loop()  # for the awaitable calls a replica makes
 
     @initialize(b=st.integers(1, 3), eta=st.integers(0, 2))
     def start(self, b: int, eta: int) -> None:
@@ -95,11 +99,24 @@ class BufferMachine(RuleBasedStateMachine):
         # Tokens after an in-flight swap carry newer versions; the first stays the start view.
         later = data.draw(st.lists(st.integers(start, self.version), max_size=3))
         group = make_group([start, *sorted(later)])
-        produced = self.buf.stats().produced
-        self.buf.put(group, holder)
+        before = self.buf.stats()
+        how = data.draw(st.sampled_from(["put", "put_and_admit", "aput_and_admit"]))
+        if how == "put":
+            self.buf.put(group, holder)
+        else:  # the put settles the holder's slot; the claim is then checked like try_admit
+            claimed = (self.buf.put_and_admit(group, holder) if how == "put_and_admit"
+                       else self._await(lambda: self.buf.aput_and_admit(group, holder)))
+            assert claimed == self.adm.may_start(before.started, self.version), before
+            if claimed:
+                self.in_flight.append((holder, self.version))
         if data.draw(st.booleans()):
             self.buf.put(group, holder)  # a retried put is a no-op
-        assert self.buf.stats().produced == produced + 1
+        assert self.buf.stats().produced == before.produced + 1
+
+    def _await(self, call: Callable[[], Awaitable[bool]]) -> bool:
+        async def run() -> bool:
+            return await call()
+        return self.loop.run_until_complete(run())
 
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
@@ -161,6 +178,7 @@ class BufferMachine(RuleBasedStateMachine):
             if purge is not None:
                 purge()
             self.buf.close()
+        self.loop.close()
 
 
 def run_machine(factory: Factory, synced: bool, max_examples: int, steps: int) -> None:

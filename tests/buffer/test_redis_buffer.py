@@ -4,6 +4,7 @@ how many round trips each call costs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from urllib.parse import urlparse
 
 import pytest
 import redis
+import redis.asyncio
 
 from streamrl.buffer.redis import CONSUMER_GROUP, RedisBuffer
 from streamrl.testing import make_group
@@ -107,18 +109,20 @@ def test_round_trips_per_group_and_per_step(
     assert sent(buf.try_admit) == [["EVALSHA"]]
     assert sent(lambda: buf.put(make_group(0, "p0"))) == [["EVALSHA"]]
     buf.put(make_group(0, "p1"))
-    # per step: one XREADGROUP for the batch, one script counting it, one acking and trimming
-    # (XAUTOCLAIM polls for a vanished learner's entries at most once a second, not per step)
+    # per step: XREADGROUP for the batch and the script counting it in one round trip, one
+    # script acking and trimming (XAUTOCLAIM polls for a vanished learner's entries at most once
+    # a second, not per step)
     taken: list = []
     trips = [t for t in sent(lambda: taken.extend(buf.take(2, 0))) if t != ["XAUTOCLAIM"]]
-    assert trips == [["XREADGROUP"], ["EVALSHA"]]
+    assert trips == [["XREADGROUP", "EVALSHA"]]
     assert sent(lambda: buf.ack([g.group_id for g in taken])) == [["EVALSHA"]]
     assert buf._r.xlen(buf.keys.groups) == 0  # trimmed in the same script
     # a new learner version is published before take waits: it opens admission
     with pytest.raises(TimeoutError):
         buf.take(1, 2, timeout=0)
     assert buf.stats().learner_version == 2
-    assert sent(lambda: buf.set_version(2)) == [["EVALSHA"]]
+    buf.set_version(2)  # (loads the script)
+    assert sent(lambda: buf.set_version(3)) == [["EVALSHA"]]
     buf.purge()
 
 
@@ -371,3 +375,128 @@ def test_a_restarted_redis_is_reconnected_and_a_lasting_outage_stops_the_run(
         for server in servers:
             server.kill()
             server.wait()
+
+
+@pytest.fixture
+def async_sent(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The round trips the buffer's event-loop writer makes, each the command names it carried
+    (the asyncio twin of ``sent``; a new connection's handshake is left out)."""
+    trips: list[list[str]] = []
+    conn = redis.asyncio.connection.AbstractConnection
+    send = conn.send_packed_command
+
+    async def counting(self: redis.asyncio.connection.AbstractConnection, command: object,
+                       *args: object, **kwargs: object) -> None:
+        chunks = [command] if isinstance(command, (bytes, str)) else command
+        names = command_names(b"".join(
+            c.encode() if isinstance(c, str) else bytes(c) for c in chunks))
+        if not set(names) <= {"HELLO", "CLIENT", "AUTH", "SELECT"}:
+            trips.append(names)
+        await send(self, command, *args, **kwargs)
+
+    monkeypatch.setattr(conn, "send_packed_command", counting)
+    return trips
+
+
+def test_replica_calls_from_an_event_loop_share_round_trips(
+        redis_url: str, run: str, async_sent: list[list[str]]) -> None:
+    """What a replica's loop does: the calls its tasks make together travel together, a put
+    claims the next group's slot exactly while the bound allows, errors reach the caller."""
+    from streamrl.buffer.redis import WRITER_PIPELINES
+
+    buf = new_buffer(redis_url, run, groups_per_step=4, max_staleness=1)  # 8 slots at V=0
+    holder = "replica-0.0"
+
+    async def replica() -> None:
+        assert await buf.atry_admit(holder)  # starts the writer (and loads the scripts)
+        async_sent.clear()
+        assert await asyncio.gather(*(buf.atry_admit(holder) for _ in range(3))) == [True] * 3
+        assert 1 <= len(async_sent) <= WRITER_PIPELINES
+        assert sum(map(len, async_sent)) == 3  # three ADMIT scripts
+        async_sent.clear()
+        puts = [buf.aput_and_admit(make_group(0, f"g{i}"), holder) for i in range(4)]
+        assert await asyncio.gather(*puts) == [True] * 4  # started 4 -> 8: each claim fits
+        # consecutive puts go as one PUT script per pipeline, however many groups it carries
+        assert 1 <= len(async_sent) <= WRITER_PIPELINES
+        assert all(trip == ["EVALSHA"] for trip in async_sent)
+        s = buf.stats()
+        assert (s.started, s.produced, s.queued, s.in_flight) == (8, 4, 4, 4)
+        # at the bound: the put lands, the claim is refused; a retried put is a no-op
+        assert await buf.aput_and_admit(make_group(0, "g4"), holder) is False
+        assert await buf.aput_and_admit(make_group(0, "g4"), holder) is False
+        assert await buf.aput(make_group(0, "g5"), holder) is None
+        s = buf.stats()
+        assert (s.started, s.produced, s.queued, s.in_flight) == (8, 6, 6, 2)
+        await asyncio.gather(buf.acancel_admission(holder), buf.acancel_admission(holder))
+        # a script's error reaches its caller, the calls sent with it are not affected, and
+        # the writer goes on
+        refused, admitted = await asyncio.gather(buf.acancel_admission(holder),
+                                                 buf.atry_admit(holder), return_exceptions=True)
+        assert isinstance(refused, ValueError) and admitted is True
+        assert "no admitted group is in flight for holder replica-0.0" in str(refused)
+        with pytest.raises(TypeError, match="put: expected a Group, got dict"):
+            buf.aput({"group_id": "x"}, holder)  # type: ignore[arg-type]
+        await buf.acancel_admission(holder)
+        await buf.aclose()
+
+    asyncio.run(replica())
+    s = buf.stats()
+    assert (s.started, s.produced, s.queued, s.in_flight) == (6, 6, 6, 0)
+    assert s.started == s.consumed + s.queued + s.in_flight
+    buf.purge()
+    buf.close()
+
+
+def test_a_cancelled_caller_does_not_withdraw_its_put_and_close_sends_the_queue(
+        redis_url: str, run: str) -> None:
+    buf = new_buffer(redis_url, run, groups_per_step=4, max_staleness=1)
+
+    async def cancelled_put() -> None:
+        task = asyncio.ensure_future(buf.aput(make_group(0, "kept")))
+        await asyncio.sleep(0)  # the put is queued
+        task.cancel()
+        deadline = time.monotonic() + 10
+        while buf.stats().produced == 0:
+            assert time.monotonic() < deadline, "the cancelled caller's put never landed"
+            await asyncio.sleep(0.01)
+        await buf.aclose()
+
+    asyncio.run(cancelled_put())
+    # a replica loop in another thread: close() from here waits for what it queued
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def queue_puts() -> list[asyncio.Future]:
+        return [buf.aput(make_group(0, f"q{i}")) for i in range(5)]
+
+    futures = asyncio.run_coroutine_threadsafe(queue_puts(), loop).result(10)
+    buf.close()
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert buf.stats().produced == 6
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+    buf.purge()
+    buf.close()
+
+
+def test_a_counted_entry_that_does_not_decode_is_uncounted(
+        redis_url: str, run: str, client: redis.Redis) -> None:
+    """TAKE counts a complete batch as it reads it (one round trip); an entry in it that then
+    fails to decode is dead-lettered and uncounted, so the accounting stays exact."""
+    buf = new_buffer(redis_url, run, groups_per_step=2, max_staleness=1)
+    k = buf.keys
+    bad = client.xadd(k.groups, {"group_id": "m", "min_version": "0", "data": b"\xc1 junk"})
+    client.sadd(k.queued, bad)  # as PUT would have recorded it
+    client.hset(k.minv, bad, 0)
+    client.hincrby(k.stats, "started", 1)
+    client.hincrby(k.stats, "produced", 1)
+    fill(buf, 2)
+    assert [g.group_id for g in buf.take(2, 0, timeout=5)] == ["g0", "g1"]
+    s = buf.stats()
+    assert (s.malformed, s.consumed, s.queued, s.started, s.produced) == (1, 2, 0, 2, 3)
+    assert s.started == s.consumed + s.queued + s.in_flight
+    assert client.hlen(k.minv) == 0  # nothing left behind
+    assert client.xrange(k.dead)[0][1][b"source_id"] == bad
+    buf.purge()
