@@ -5,10 +5,11 @@ The loop, on one asyncio event loop::
     while running:
         wait for a free slot (at most rollout.max_inflight_groups groups in flight, so the
         engine batches continuously) and for no drain in progress
-        buffer.try_admit()          refused -> back off briefly (the staleness bound, §2)
+        a slot a put claimed, or buffer.try_admit()   refused -> back off (the bound, §2)
         prompt = prompts.next()
-        start a group task: sample n -> decode -> score -> Trajectories -> buffer.put(Group)
-                   or, with rollout.agent: run n episodes (agent/loop.py) -> buffer.put(Group)
+        start a group task: sample n -> decode -> score -> Trajectories -> put
+                   or, with rollout.agent: run n episodes (agent/loop.py) -> put
+        put: buffer.put_and_admit(Group): the put and the next group's admission in one call
 
 DAPO shaping, all off by default (``algorithm=dapo`` turns on the first two):
 
@@ -48,10 +49,12 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
   remaining token budget and concatenate. No sampled token is lost; the partial tokens keep
   their versions and log-probs.
 
-The buffer is awaited, never blocked on (``atry_admit``, ``aput``, ``acancel_admission``), so
-streaming requests and weight updates go on during its round trips. A put or give-back is under
-way before the first await, and a group settles its admission with exactly one of them, so a
-cancelled group can never be both put and given back.
+The buffer is awaited, never blocked on (``atry_admit``, ``aput_and_admit``, ``aput``,
+``acancel_admission``), so streaming requests and weight updates go on during its round trips. A
+put or give-back is under way before the first await, and a group settles its admission with
+exactly one of them, so a cancelled group can never be both put and given back. A put also
+claims the slot of the loop's next group (``put_and_admit``: one round trip instead of two with
+Redis); a claimed slot no group will use (the replica stops) is given back, like any other.
 
 Metrics: counters (``ReplicaCounters``), ``busy_s`` (wall time with a request in the engine:
 what ``rollouter/idle_ratio`` is made of) and, with ``trace``, the spans a Chrome trace shows
@@ -181,6 +184,8 @@ class ReplicaCounters:
     """Tool calls that became error observations (ill-formed, raised, timed out, junk)."""
     episodes_truncated: int = 0
     weight_updates: int = 0
+    held_for_weights: int = 0
+    """Groups that waited, admitted, for weights already received to be loaded."""
     weight_pause_s: float = 0.0
     """How long the last weight update kept the replica from starting work (drain wait and
     swap)."""
@@ -194,7 +199,7 @@ class Replica:
     def __init__(
         self,
         engine: RolloutEngine,
-        buffer: ReplayBuffer,
+        buffer: ReplayBuffer | None,
         prompts: PromptSupply,
         scorer: Scorer,
         tokenizer: Any,
@@ -203,7 +208,12 @@ class Replica:
         name: str = "replica",
         admit_backoff_s: float = 0.02,
         trace: bool = False,
+        weights_pending: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``buffer``: None for a replica that only answers ``sample_one`` (``streamrl serve``).
+        ``weights_pending``: whether newer weights have arrived that the engine has not
+        loaded yet (the weight bus's receiver knows): no group starts until they are, so a
+        group admitted once the learner published version V samples from V onwards."""
         if rollout.max_inflight_groups <= 0:
             raise ValueError(f"rollout.max_inflight_groups={rollout.max_inflight_groups}: "
                              "must be > 0")
@@ -215,6 +225,7 @@ class Replica:
         self.rollout = rollout
         self.name = name
         self.admit_backoff_s = admit_backoff_s
+        self.weights_pending = weights_pending
         self.params = sampling_params(rollout)
         self.agent = make_agent(rollout, tokenizer) if rollout.agent else None
         self.counters = ReplicaCounters()
@@ -232,6 +243,8 @@ class Replica:
         self._started_at = time.monotonic()
         self._progressed_at = time.monotonic()
         self._filtered_streak = 0  # consecutive groups dynamic sampling dropped
+        self._credits = 0  # slots puts claimed for the next groups (put_and_admit), not used yet
+        self._late: set[asyncio.Future[None]] = set()  # give-backs of slots claimed after stop
         self._busy_since = 0.0  # perf_counter when the engine last went from idle to busy
         self._spans: list[tuple[str, float, float]] | None = [] if trace else None
 
@@ -239,6 +252,8 @@ class Replica:
 
     def start(self) -> asyncio.Task[None]:
         """Start the loop on the running event loop; returns its task."""
+        if self.buffer is None:
+            raise RuntimeError(f"{self.name}: has no buffer (it only answers sample_one calls)")
         if self._loop_task is not None and not self._loop_task.done():
             raise RuntimeError(f"{self.name}: already running")
         self._stopping = self._cancelling = False
@@ -275,6 +290,11 @@ class Replica:
             for task in late:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        while self._credits:  # slots puts claimed that no group will use now
+            self._credits -= 1
+            await self._give_back()
+        if self._late:
+            await asyncio.gather(*self._late)  # _give_back logs its failures, never raises
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -285,17 +305,28 @@ class Replica:
             if full or not self._may_start.is_set():
                 await self._changed.wait()
                 continue
-            try:
-                admitted = await self.buffer.atry_admit()
-            except Exception:
-                self.counters.loop_errors += 1
-                logger.exception("%s: buffer.try_admit failed; retrying", self.name)
-                await self._wait_changed(self.admit_backoff_s * 10)
-                continue
+            admitted = self._credits > 0  # a put claimed this slot already (put_and_admit)
+            if admitted:
+                self._credits -= 1
+            else:
+                try:
+                    admitted = await self.buffer.atry_admit()
+                except Exception:
+                    self.counters.loop_errors += 1
+                    logger.exception("%s: buffer.try_admit failed; retrying", self.name)
+                    await self._wait_changed(self.admit_backoff_s * 10)
+                    continue
             if not admitted:
                 self.counters.admission_refused += 1
                 await self._wait_changed(self.admit_backoff_s)
                 continue
+            if self.weights_pending():
+                self.counters.held_for_weights += 1
+                while self.weights_pending() and not self._stopping:
+                    await self._wait_changed(self.admit_backoff_s)
+                if self._stopping:
+                    await self._give_back()
+                    break
             try:
                 prompt = self.prompts.next()
             except Exception:
@@ -336,6 +367,27 @@ class Replica:
         except Exception:
             logger.exception("%s: buffer.cancel_admission failed", self.name)
 
+    async def _put(self, group: Group) -> None:
+        """Put ``group``; unless stopping, claim the loop's next slot in the same buffer call.
+        The claim is counted when the call completes, even if this task is cancelled first."""
+        if self._stopping:
+            await self.buffer.aput(group)
+            return
+        call = asyncio.ensure_future(self.buffer.aput_and_admit(group))
+        call.add_done_callback(self._claimed)
+        await asyncio.shield(call)
+
+    def _claimed(self, call: asyncio.Future[bool]) -> None:
+        if call.cancelled() or call.exception() is not None or not call.result():
+            return
+        if self._stopping:  # no group will start on it: give it back now
+            give_back = asyncio.ensure_future(self._give_back())
+            self._late.add(give_back)
+            give_back.add_done_callback(self._late.discard)
+            return
+        self._credits += 1
+        self._changed.set()
+
     # -- one group ----------------------------------------------------------------------------
 
     async def _group(self, prompt: PromptLike) -> None:
@@ -356,7 +408,7 @@ class Replica:
                 await self._give_back()  # the loop admits another group in its place
                 return
             try:
-                await self.buffer.aput(group)
+                await self._put(group)
             except Exception:
                 await self._give_back()  # the put failed: nothing was recorded
                 raise
@@ -649,6 +701,7 @@ class Replica:
                     self._gate.set()
             self.counters.weight_updates += 1
             self.counters.weight_pause_s = time.perf_counter() - start
+            self._changed.set()  # a group held for these weights may start
             self._span(f"weights v{version} ({policy})", start)
 
     async def _swap(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int
@@ -712,6 +765,7 @@ class Replica:
             "episodes_truncated": float(c.episodes_truncated),
             "inflight_groups": float(len(self._groups)),
             "weight_updates": float(c.weight_updates),
+            "held_for_weights": float(c.held_for_weights),
             "weight_pause_s": c.weight_pause_s,
             "busy_s": busy,
             "uptime_s": elapsed,

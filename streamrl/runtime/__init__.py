@@ -84,13 +84,17 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         train_pg, rollout_pg = reserve_pools(cfg, learners=learners)
         pgs = list({id(p): p for p in (train_pg, rollout_pg) if p is not None}.values())
         buffer: ReplayBuffer
-        if redis_buffer is None:
+        if redis_buffer is not None:
+            buffer = redis_buffer  # every process connects to the same Redis run
+        elif serving:
+            # Replicas that serve never touch the buffer: the service admits and puts, the
+            # controller takes, both in this process, without an actor call per episode.
+            buffer = make_buffer(cfg)
+        else:
             # One queue for every process: the memory backend lives in an actor.
             buffer_actor = start_buffer_actor(cfg)
             actors.append(buffer_actor)
             buffer = RemoteBuffer(buffer_actor)
-        else:
-            buffer = redis_buffer  # every process connects to the same Redis run
         # Reward models and judges: one actor each, shared by every replica (and re-creation).
         reward_servers = start_reward_servers(cfg.reward)
         actors.extend(reward_servers.values())
@@ -161,7 +165,7 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
         assert rollout_pg is not None
         return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
             scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
-        ).remote(cfg, index, buffer, endpoint, holder, reward_servers)
+        ).remote(cfg, index, None if serving else buffer, endpoint, holder, reward_servers)
 
     num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
     fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],

@@ -94,8 +94,10 @@ class LearnerActor:
         self.publisher.wait_for_receivers(count)
 
     def publish(self, version: int) -> dict[str, float]:
-        """Send ``version`` and return once every replica serves it (the loaded acks), so
-        admission never opens for groups sampled by older weights than the bound allows."""
+        """Send ``version`` and return once every replica has received it; they load it while
+        the learner goes on. A replica starts no group while a version it received is not
+        loaded (``ReplicaActor``), so admission may open for ``version`` now. The previous
+        version's loads are awaited first: a failed or stuck load stops the run here."""
         import torch
 
         dtype = getattr(torch, self.cfg.rollout.dtype)
@@ -107,6 +109,11 @@ class LearnerActor:
         from streamrl.weight_bus.base import ReceiverDied
 
         start = time.perf_counter()
+        if self.publisher.version >= 0:
+            # A drain waits for in-flight groups to finish, which may take a whole generation.
+            self.publisher.wait_loaded(self.publisher.version,
+                                       timeout=self.cfg.buffer.take_timeout_s)
+        loads_s = time.perf_counter() - start
         try:
             nbytes, died = self.publisher.publish(version, params).nbytes, 0
         except ReceiverDied as exc:
@@ -117,10 +124,9 @@ class LearnerActor:
             log.warning("%s", exc)
             nbytes, died = 0, len(exc.dead)
         seconds = time.perf_counter() - start
-        # A drain waits for in-flight groups to finish, which may take a whole generation.
-        self.publisher.wait_loaded(version, timeout=self.cfg.buffer.take_timeout_s)
         return {"weight_bus/seconds": seconds, "weight_bus/bytes": float(nbytes),
-                "weight_bus/receivers_died": float(died)}
+                "weight_bus/receivers_died": float(died),
+                "weight_bus/previous_load_wait_s": loads_s}
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
         return self.worker.save_checkpoint(step, extra)
@@ -140,16 +146,18 @@ class LearnerActor:
 class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
-    def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer,
+    def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer | None,
                  bus_endpoint: str | None, holder: str | None = None,
                  reward_servers: dict[str, Any] | None = None) -> None:
-        """``holder``: the name this incarnation's admissions are counted under, so its
+        """``buffer``: None for a replica that only answers requests (``streamrl serve``).
+        ``holder``: the name this incarnation's admissions are counted under, so its
         supervisor can give them back if it dies (``runtime.supervisor``).
         ``reward_servers``: the run's reward-model / judge actors (``start_reward_servers``)."""
         self.cfg = cfg
         self.model_path = cfg.model.path
         self.index = index
-        self.buffer = HeldBuffer(buffer, holder or holder_name(index, 0))
+        self.buffer = (HeldBuffer(buffer, holder or holder_name(index, 0))
+                       if buffer is not None else None)
         self.bus_endpoint = bus_endpoint
         self.reward_servers = reward_servers or {}
         self.replica: Any = None
@@ -174,10 +182,14 @@ class ReplicaActor:
         self.prompts = self._prompt_stream(cursor=0)
         self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}",
-                               trace=cfg.trainer.trace)
+                               trace=cfg.trainer.trace, weights_pending=self._weights_pending)
         if self.bus_endpoint is not None:
             await self.connect_bus(self.bus_endpoint)
         freeze_startup_heap()
+
+    def _weights_pending(self) -> bool:
+        """A version received (the learner may already admit groups for it) but not loaded."""
+        return self.receiver is not None and self.receiver.pending_version > self.engine.version
 
     def _make_engine(self) -> Any:
         from streamrl.rollout_fleet import make_engine

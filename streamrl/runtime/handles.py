@@ -74,8 +74,10 @@ class LearnerGroup:
 
 
 class WeightBus:
-    """Controller-side handle: the learner ranks gather, rank 0 sends and waits until every
-    replica serves ``version`` (so admission never opens for groups sampled by old weights)."""
+    """Controller-side handle: the learner ranks gather, rank 0 sends ``version`` and returns
+    once every replica received it. Replicas load it while the learner goes on, and start no
+    group before it is loaded, so admission may open for ``version`` at once; the next publish
+    first waits for these loads."""
 
     def __init__(self, learner: LearnerGroup) -> None:
         self.learner = learner

@@ -15,7 +15,8 @@ engines live in the runtime's replica actors (``build_runtime(serving=True)``: n
 Training, by buffer:
 - memory (the default): ``serve.train=true`` runs the learner in the same Ray runtime, on a
   thread of this process (the same ``Controller`` as ``streamrl train``); its weight bus
-  reaches the replicas directly. ``serve.train=false`` only serves and records.
+  reaches the replicas directly. The buffer lives in this process too: the service admits and
+  puts, the controller takes. ``serve.train=false`` only serves and records.
 - redis: ``streamrl serve serve.train=false buffer=redis buffer.run=R`` and ``streamrl train
   buffer=redis buffer.run=R rollout.num_replicas=0`` are two long-running processes. The trainer
   writes its weight-bus endpoint into ``streamrl:R:stats`` (field ``bus_endpoint``); the

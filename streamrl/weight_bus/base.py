@@ -124,6 +124,12 @@ class WeightReceiver(abc.ABC):
     def version(self) -> int:
         """Latest version the sink loaded (-1 before the first)."""
 
+    @property
+    @abc.abstractmethod
+    def pending_version(self) -> int:
+        """The version being received or loaded (-1 when none); set before the publisher's
+        ``publish`` of it can return."""
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

@@ -190,6 +190,45 @@ def test_stop_with_cancel_gives_admissions_back(engine, loop, tokenizer):
     assert buffer.groups == [] and buffer.started == 0 and buffer.given_back == 2
 
 
+def test_an_admitted_group_waits_for_received_weights_to_load(engine, loop, tokenizer):
+    """The learner opens admission for a version as soon as every replica received it: a group
+    admitted meanwhile must not start on the older weights still loaded, nor stop the replica
+    from starting it once they are swapped."""
+    rollout = RolloutConfig(n=2, max_new_tokens=4, max_inflight_groups=2, temperature=0.0)
+    buffer = ListBuffer(capacity=1)
+    pending = [True]
+    replica = Replica(engine, buffer, toy_stream(tokenizer), ToyScorer(), tokenizer, rollout,
+                      weights_pending=lambda: pending[0])
+
+    async def scenario():
+        replica.start()
+        await wait_until(lambda: buffer.started == 1, what="an admission")
+        await asyncio.sleep(0.3)
+        assert not replica.request_ids and not buffer.groups  # admitted, held
+        pending[0] = False
+        await wait_until(lambda: len(buffer.groups) == 1, what="the held group")
+        await replica.stop()
+
+    loop.run_until_complete(scenario())
+    m = replica.metrics()
+    assert m["held_for_weights"] == 1 and m["groups"] == 1 and buffer.given_back == 0
+
+
+def test_a_stop_gives_back_the_slot_of_a_held_group(engine, loop, tokenizer):
+    rollout = RolloutConfig(n=2, max_new_tokens=4, max_inflight_groups=2, temperature=0.0)
+    buffer = ListBuffer(capacity=1)
+    replica = Replica(engine, buffer, toy_stream(tokenizer), ToyScorer(), tokenizer, rollout,
+                      weights_pending=lambda: True)
+
+    async def scenario():
+        replica.start()
+        await wait_until(lambda: buffer.started == 1, what="an admission")
+        await replica.stop()
+
+    loop.run_until_complete(scenario())
+    assert buffer.groups == [] and buffer.started == 0 and buffer.given_back == 1
+
+
 @pytest.fixture(scope="module")
 def greedy_reference(engine, loop) -> list[int]:
     """The uninterrupted greedy response to LONG_PROMPT (the weights never change below)."""

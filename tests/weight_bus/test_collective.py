@@ -165,6 +165,29 @@ def test_in_process_receiver_ignores_older_versions_and_hands_over_views() -> No
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+def test_publish_returns_with_the_version_pending_until_the_sink_loads_it() -> None:
+    """The replica's guarantee rests on this order: once ``publish`` returns (the learner may
+    open admission), every receiver reports the version pending until its sink has loaded it."""
+    cfg = WeightBusConfig(bucket_mb=1, timeout_s=TIMEOUT_S)
+    release = threading.Event()
+
+    def sink(weights, version: int) -> None:
+        release.wait(TIMEOUT_S)
+
+    with make_publisher(cfg) as pub, make_receiver(cfg, endpoint=pub.endpoint, sink=sink,
+                                                   receiver_id="slow") as rx:
+        pub.wait_for_receivers(1)
+        assert rx.pending_version == -1
+        pub.publish(1, make_state(1).items())
+        assert rx.pending_version == 1 and rx.version == -1  # received, still loading
+        with pytest.raises(WeightBusError, match="did not load version 1"):
+            pub.wait_loaded(1, timeout=0.3)
+        release.set()
+        assert rx.wait_version(1, TIMEOUT_S)
+        assert pub.wait_loaded(1) == {"slow": 1}
+    assert rx.pending_version == -1
+
+
 def test_later_versions_follow_the_plan_zero_copy_and_a_layout_change_makes_a_new_one() -> None:
     pub = CollectivePublisher(bucket_mb=0.01, timeout_s=TIMEOUT_S, keep_latest=False)
     fleet = Fleet(pub.endpoint)

@@ -147,6 +147,7 @@ class CollectiveReceiver(WeightReceiver):
         self.loop = loop
         self.landing: Landing = landing or LocalLanding()
         self._version = initial_version
+        self._pending = -1  # the version being received or loaded, -1 between versions
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.control = ControlClient(endpoint, self.receiver_id, timeout_s=timeout_s,
@@ -158,6 +159,11 @@ class CollectiveReceiver(WeightReceiver):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def pending_version(self) -> int:
+        # Set when the announcement is taken, before this receiver joins the broadcast.
+        return self._pending
 
     def wait_version(self, version: int, timeout: float) -> bool:
         """Block until a version >= ``version`` is loaded; False on timeout."""
@@ -178,7 +184,11 @@ class CollectiveReceiver(WeightReceiver):
             while announce is not None and (newer := self.control.next_announce(0)) is not None:
                 announce = newer
             if announce is not None:
-                self._handle(announce)
+                self._pending = announce.version
+                try:
+                    self._handle(announce)
+                finally:
+                    self._pending = -1
 
     def _handle(self, announce: Announce) -> None:
         self.control.ack(announce, "announced")  # alive and working: see ControlServer.silent_among
