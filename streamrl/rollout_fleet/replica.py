@@ -6,6 +6,7 @@ The loop, on one asyncio event loop::
         wait for a free slot (at most rollout.max_inflight_groups groups in flight, so the
         engine batches continuously) and for no drain in progress
         a slot a put claimed, or buffer.try_admit()   refused -> back off (the bound, §2)
+        hold it while weights the bus received are not loaded yet (``weights_pending``)
         prompt = prompts.next()
         start a group task: sample n -> decode -> score -> Trajectories -> put
                    or, with rollout.agent: run n episodes (agent/loop.py) -> put
