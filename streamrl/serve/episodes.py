@@ -35,8 +35,10 @@ import json
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from streamrl.buffer.base import ReplayBuffer
@@ -166,7 +168,10 @@ class EpisodeStore:
         self.ttl_s = ttl_s
         self.group_timeout_s = group_timeout_s
         self.clock = clock
-        self.episodes: dict[str, Episode] = {}
+        self.episodes: OrderedDict[str, Episode] = OrderedDict()
+        """Open episodes, least recently used first (``expire`` stops at the first fresh one)."""
+        self._members: dict[str, dict[str, Episode]] = {}
+        """Open episodes by declared group (slot checks look at one group, not every episode)."""
         self.groups: dict[str, _PendingGroup] = {}
         self.counters = StoreCounters()
 
@@ -222,7 +227,7 @@ class EpisodeStore:
         if assistant is not None:
             seg.messages.append(canonical(assistant))
         episode.calls += 1
-        episode.last_used = self.clock()
+        self._touch(episode)
 
     def abandon(self, call: Call) -> None:
         """The call failed: the segment stays as it was, free for the next call."""
@@ -257,7 +262,7 @@ class EpisodeStore:
                                    f"{episode_id!r} has {turns} calls")
             if not all(math.isfinite(r) for r in turn_rewards):
                 raise EpisodeError("turn_rewards: holds a non-finite value")
-        del self.episodes[episode_id]
+        self._remove(episode)
         self.counters.episodes_closed += 1
         gid = group_id if group_id is not None else new_uid()
         pending = self.groups.get(gid)
@@ -284,9 +289,11 @@ class EpisodeStore:
     def expire(self) -> None:
         """Drop episodes idle past the TTL; put groups waiting past the group timeout."""
         now = self.clock()
-        for episode_id, episode in list(self.episodes.items()):
-            if now - episode.last_used > self.ttl_s and not any(s.busy for s in episode.segments):
-                del self.episodes[episode_id]
+        # Least recently used first: the idle ones are a prefix.
+        for episode in list(takewhile(lambda e: now - e.last_used > self.ttl_s,
+                                      self.episodes.values())):
+            if not any(s.busy for s in episode.segments):
+                self._remove(episode)
                 self.counters.episodes_expired += 1
                 self._expire_slot(episode)
         for pending in list(self.groups.values()):
@@ -299,7 +306,7 @@ class EpisodeStore:
         """Shutdown: put every group that has trajectories; open episodes give slots back."""
         self.counters.episodes_dropped += len(self.episodes)
         for episode in list(self.episodes.values()):
-            del self.episodes[episode.episode_id]
+            self._remove(episode)
             self._expire_slot(episode)
         for pending in list(self.groups.values()):
             pending.due = True
@@ -327,13 +334,29 @@ class EpisodeStore:
             if needed and not slot and not self.buffer.try_admit():
                 self.counters.admission_refused += 1
                 raise AtCapacity(episode_id)
-            episode = self.episodes[episode_id] = Episode(episode_id, group_id, needed)
+            episode = Episode(episode_id, group_id, needed)
+            self.episodes[episode_id] = episode
+            if group_id is not None:
+                self._members.setdefault(group_id, {})[episode_id] = episode
             self.counters.episodes_opened += 1
         elif group_id not in (None, episode.declared_group):
             raise EpisodeError(f"group id {group_id!r}: episode {episode_id!r} opened in group "
                                f"{episode.declared_group!r}")
-        episode.last_used = self.clock()
+        self._touch(episode)
         return episode
+
+    def _touch(self, episode: Episode) -> None:
+        episode.last_used = self.clock()
+        self.episodes.move_to_end(episode.episode_id)
+
+    def _remove(self, episode: Episode) -> None:
+        del self.episodes[episode.episode_id]
+        group = episode.declared_group
+        if group is not None:
+            members = self._members[group]
+            del members[episode.episode_id]
+            if not members:
+                del self._members[group]
 
     def _group_holds_slot(self, group_id: str | None) -> bool:
         """Whether declared group ``group_id`` holds an admission slot: through an open episode,
@@ -345,7 +368,7 @@ class EpisodeStore:
             return False
         pending = self.groups.get(group_id)
         return (pending is not None and pending.slots > 0) or any(
-            e.declared_group == group_id and e.slot for e in self.episodes.values())
+            e.slot for e in self._members.get(group_id, {}).values())
 
     def _release(self, episode: Episode) -> int:
         """The slot a closing episode holds, handed to its group (0 or 1). A declared group's
@@ -378,8 +401,8 @@ class EpisodeStore:
     def _heir(self, episode: Episode) -> Episode | None:
         if episode.declared_group is None:
             return None
-        return next((e for e in self.episodes.values() if e is not episode
-                     and e.declared_group == episode.declared_group), None)
+        return next((e for e in self._members.get(episode.declared_group, {}).values()
+                     if e is not episode), None)
 
     @staticmethod
     def _continues(seg: Segment, canon: list[str], tools_key: str,

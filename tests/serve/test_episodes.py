@@ -193,6 +193,21 @@ def test_idle_episodes_expire_and_late_groups_are_put(tokenizer):
     assert buffer.stats().started == 1  # the expired episode gave its slot back
 
 
+def test_an_episode_in_use_outlives_idle_ones_opened_after_it(tokenizer):
+    """Expiry follows last use, not opening order (the store keeps episodes least recently used
+    first and stops at the first fresh one)."""
+    clock = Clock()
+    store, _ = make_store(tokenizer, clock=clock)
+    for i in range(3):
+        store.commit(store.begin_chat(f"e{i}", [USER], None), sampled(tokenizer, "1", 0), None)
+        clock.now += 1.0
+    clock.now = 50.0
+    store.commit(store.begin_chat("e0", [USER], None), sampled(tokenizer, "1", 0), None)
+    clock.now = 63.0  # e1 and e2 idle 61-62 s (over the 60 s TTL), e0 13 s
+    store.expire()
+    assert list(store.episodes) == ["e0"] and store.counters.episodes_expired == 2
+
+
 def test_flush_puts_closed_groups_and_frees_open_episodes(tokenizer):
     store, buffer = make_store(tokenizer)
     for i in range(3):
