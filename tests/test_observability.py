@@ -90,7 +90,9 @@ def test_the_trace_shows_learner_phases_and_replica_generation(run: Run) -> None
     assert learner == ["take", "prepare", "update", "publish"] * STEPS
     generate = [e for e in spans if e["pid"] == 2 and e["name"] == "generate"]
     updates = [e for e in spans if e["pid"] == 2 and e["name"].startswith("weights v")]
-    assert generate and len(updates) == STEPS
+    # The learner does not wait for replicas to load: the last version may still be loading
+    # when the run ends.
+    assert generate and len(updates) in (STEPS - 1, STEPS)
     assert all(e["dur"] >= 0 for e in spans)
     # spans sit on one clock: every replica span falls inside the run's learner time
     start = min(e["ts"] for e in spans if e["pid"] == 1)
