@@ -231,7 +231,8 @@ def _versions_from_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
 
 @dataclass
 class SampleStream:
-    """Per-sample accumulation of one request's streamed deltas (both vLLM engines)."""
+    """Per-sample accumulation of one request's outputs: per-step deltas, or the one whole
+    output of a request that does not stream (both vLLM engines)."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -240,7 +241,8 @@ class SampleStream:
     finish_reason: str | None = None
 
     def absorb(self, delta: Any, version: int, request_id: str) -> None:
-        """Add one ``CompletionOutput`` delta, stamping its tokens with ``version`` on arrival."""
+        """Add one ``CompletionOutput`` (a delta, or the whole output), stamping its tokens
+        with ``version`` on arrival."""
         new = list(delta.token_ids)
         if new:
             # logprobs=0, flat: one entry per position, the sampled token's.
