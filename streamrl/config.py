@@ -485,6 +485,26 @@ class Config:
     def use_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def proximal_before_update(self) -> bool:
+        """Whether the learner's ``prepare`` computes the proximal ("old") log-probs. Only when
+        something needs them before the update: the KL penalty in the reward, or a first epoch
+        of several mini-batches (the later ones train on moved weights, so their proximal
+        log-probs must be taken before the first optimizer step). Otherwise the update's first
+        forward over each micro-batch *is* the current weights' log-probs over the same
+        micro-batches: a pass of their own would compute the same numbers, one forward per
+        step more (``learner.actor.Actor.update``)."""
+        if self.algorithm.use_kl_in_reward:
+            return True
+        return (self.actor.recompute_log_prob
+                and self.actor.ppo_mini_batch_size < self.task.train_batch_size)
+
+    @property
+    def prepare_adds_tensors(self) -> bool:
+        """Whether the learner's ``prepare`` adds anything to a batch (proximal or reference
+        log-probs, values): when not, callers may skip it."""
+        return self.proximal_before_update or self.use_ref or self.use_critic
+
 
 def _fail(key: str, value: Any, why: str) -> None:
     raise ConfigError(f"{key}={value!r}: {why}")

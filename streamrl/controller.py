@@ -61,13 +61,6 @@ def with_advantages(batch: Batch, cfg: Config, kl_ctrl: algos.KLController) -> B
     }))
 
 
-def logprob_mismatch(batch: Batch) -> float:
-    """Mean |behaviour - proximal| log-prob on policy tokens: rollout/training mismatch
-    (engine numerics, plus policy lag when the batch is stale)."""
-    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()
-    return float(algos.masked_mean(diff, batch["response_mask"]))
-
-
 class Controller:
     """Drives ``total_steps`` PPO/GRPO updates over a started runtime."""
 
@@ -125,7 +118,6 @@ class Controller:
                 rt.buffer.set_version(version)
                 self._consume([g.group_id for g in groups])
                 metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
-                metrics["rollout/logprob_abs_diff"] = logprob_mismatch(batch)
                 step_s = metrics["timing_s/step"] = time.perf_counter() - start
                 metrics["perf/throughput"] = int(batch["attention_mask"].sum()) / step_s
                 metrics["trainer/idle_ratio"] = metrics["timing_s/take"] / step_s

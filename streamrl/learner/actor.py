@@ -2,7 +2,9 @@
 
 ``Actor.compute_log_prob`` recomputes the proximal ("old") log-probs with the current weights
 over exactly the micro-batches the first epoch of ``update`` will use, so the PPO ratio is
-exactly 1 at the first inner step. ``Actor.update`` runs ppo_epochs x mini-batches (whole
+exactly 1 at the first inner step. A batch without them (one mini-batch per epoch: see
+``Config.proximal_before_update``) takes them from the first epoch's own forward, the same
+numbers without a pass of their own. ``Actor.update`` runs ppo_epochs x mini-batches (whole
 groups, rows dealt to ranks) x micro-batches (token budget + packing, or fixed size + padding)
 through ``update_loop.run_update`` with the loss pg_loss - entropy_coeff * entropy
 + kl_loss_coef * kl_loss, every term normalised by the mini-batch's global token / sequence
@@ -127,10 +129,11 @@ class Actor:
         """One training step over ``batch`` (needs advantages, old_log_probs, ref_log_prob when
         use_kl_loss); returns verl-named metrics averaged over mini-batches."""
         required = ["advantages", "response_mask", "rollout_log_probs"]
-        if not self.loss_cfg.bypass:
-            required.append("old_log_probs")
         if self.acfg.use_kl_loss:
             required.append("ref_log_prob")
+        plan = self.planner(batch)
+        if not self.loss_cfg.bypass and len(plan) > 1:  # later mini-batches see moved weights
+            required.append("old_log_probs")
         missing = [k for k in required if k not in batch.tensors]
         if missing:
             raise KeyError(f"Actor.update: batch lacks {missing} (run LearnerWorker.prepare and "
@@ -140,7 +143,7 @@ class Actor:
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
-            micro_batches=micro_batches(batch, self.planner(batch), self.acfg.use_dynamic_bsz),
+            micro_batches=micro_batches(batch, plan, self.acfg.use_dynamic_bsz),
             epochs=self.acfg.ppo_epochs,
             grad_clip=self.acfg.grad_clip,
             micro_loss=self._micro_loss,
@@ -161,7 +164,18 @@ class Actor:
             entropy = entropy.detach()  # a metric only
         mask = mb.column("response_mask", dev)
         rollout = mb.column("rollout_log_probs", dev)
-        old = rollout if self.loss_cfg.bypass else mb.column("old_log_probs", dev)
+        weight = float(mask.sum())
+        if mb.proximal is None:  # the first epoch, at the weights this update starts from
+            if self.loss_cfg.bypass:
+                mb.proximal = rollout
+            elif "old_log_probs" in mb.batch.tensors:
+                mb.proximal = mb.column("old_log_probs", dev)
+            else:
+                mb.proximal = log_prob.detach()
+            # Rollout/training mismatch: engine numerics, plus policy lag in a stale batch.
+            metrics.add_mean("rollout/logprob_abs_diff",
+                             float(algos.masked_mean((rollout - mb.proximal).abs(), mask)), weight)
+        old = mb.proximal
         norm = {"num_tokens": counts.tokens, "num_seqs": counts.seqs}
         pg_loss, pg_metrics = algos.compute_policy_loss_from_config(
             self.loss_cfg, old, log_prob, mb.column("advantages", dev), mask,
@@ -178,7 +192,6 @@ class Actor:
             )
             loss = loss + acfg.kl_loss_coef * kl
             metrics.add_sum("actor/kl_loss", float(kl.detach()))
-        weight = float(mask.sum())
         for key, value in pg_metrics.items():
             metrics.add_mean(key, value, weight)
         return loss

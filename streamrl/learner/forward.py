@@ -34,6 +34,9 @@ class MicroBatch:
     rows: list[int]
     packed: bool
     dummy: bool = False
+    proximal: Tensor | None = None
+    """The proximal ("old") log-probs of these rows, [n, R], once the update's first pass over
+    this micro-batch has set them (``Actor.update``)."""
 
     @classmethod
     def of(cls, batch: Batch, rows: list[int], packed: bool) -> MicroBatch:

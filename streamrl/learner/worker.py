@@ -3,9 +3,10 @@ Ray actor; tests spawn it with torch.multiprocessing; world size 1 runs it in-pr
 
 Every rank is constructed with the same config and receives the same full ``Batch``; each
 computes its own rows and the collectives make the results whole again:
-- ``prepare(batch)`` adds ``old_log_probs`` (proximal, recomputed; in bypass mode a copy of
-  ``rollout_log_probs``), ``ref_log_prob`` when ``cfg.use_ref``, ``values`` when
-  ``cfg.use_critic``. **Every rank returns the full batch.**
+- ``prepare(batch)`` adds ``old_log_probs`` when they are needed before the update
+  (``Config.proximal_before_update``: recomputed; in bypass mode a copy of ``rollout_log_probs``),
+  ``ref_log_prob`` when ``cfg.use_ref``, ``values`` when ``cfg.use_critic``. **Every rank
+  returns the full batch.** Otherwise the update's first forward gives the proximal log-probs.
 - ``update(batch)`` trains the actor (and critic); every rank returns the same metrics.
 - ``named_full_parameters(dtype, every_rank)``: rank 0 (every rank with ``every_rank``) yields
   (HF name, full tensor); other ranks must iterate too (they yield nothing).
@@ -47,6 +48,7 @@ from streamrl.weight_bus.base import NamedTensors
 
 REQUIRED_TENSORS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask",
                     "rollout_log_probs")
+
 
 
 class LearnerWorker:
@@ -110,14 +112,15 @@ class LearnerWorker:
             raise ValueError("learner batch has no rows")
 
     def prepare(self, batch: Batch) -> Batch:
-        """Add old_log_probs, ref_log_prob (use_ref) and values (use_critic); full batch on
-        every rank."""
+        """Add old_log_probs (``Config.proximal_before_update``), ref_log_prob (use_ref) and
+        values (use_critic); full batch on every rank."""
         self.check_batch(batch)
         added: dict[str, torch.Tensor] = {}
-        if self.cfg.actor.recompute_log_prob:
-            added["old_log_probs"] = self.actor.compute_log_prob(batch)  # type: ignore[assignment]
-        else:
-            added["old_log_probs"] = batch.tensors["rollout_log_probs"].clone()
+        if self.cfg.proximal_before_update:
+            added["old_log_probs"] = (
+                self.actor.compute_log_prob(batch)  # type: ignore[assignment]
+                if self.cfg.actor.recompute_log_prob
+                else batch.tensors["rollout_log_probs"].clone())
         if self.ref is not None:
             added["ref_log_prob"] = self.ref.compute_ref_log_prob(batch)
         if self.critic is not None:

@@ -155,7 +155,7 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
         # The FSDP group rendezvous on rank 0's node, at a port picked there.
         master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
         ray.get([r.start.remote(master_addr, master_port) for r in ranks])
-        learner_group = LearnerGroup(ranks)
+        learner_group = LearnerGroup(ranks, skip_prepare=not cfg.prepare_adds_tensors)
         endpoint = ray.get(ranks[0].bus_endpoint.remote())
         announce = getattr(buffer, "announce_bus", None)
         if announce is not None:  # Redis: how a separate streamrl serve finds the bus

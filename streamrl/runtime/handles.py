@@ -29,10 +29,13 @@ log = logging.getLogger(__name__)
 
 
 class LearnerGroup:
-    """SPMD learner ranks: every call goes to all ranks; rank 0's answer is returned."""
+    """SPMD learner ranks: every call goes to all ranks; rank 0's answer is returned.
+    ``skip_prepare``: the ranks' ``prepare`` would return the batch as it came
+    (``Config.prepare_adds_tensors`` is false), so it is not sent to them and back."""
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[Any], skip_prepare: bool = False) -> None:
         self.actors = actors
+        self.skip_prepare = skip_prepare
 
     def _all(self, method: str, *args: Any) -> Any:
         """Rank 0's answer. A rank that dies stops the run at once, naming it: the other ranks
@@ -55,7 +58,7 @@ class LearnerGroup:
         return int(ray.get(self.actors[0].get_version.remote()))
 
     def prepare(self, batch: Batch) -> Batch:
-        return self._all("prepare", batch)
+        return batch if self.skip_prepare else self._all("prepare", batch)
 
     def update(self, batch: Batch) -> dict[str, float]:
         return dict(self._all("update", batch))

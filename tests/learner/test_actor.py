@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from streamrl import algos
+from streamrl.batch import Batch
 from streamrl.learner.actor import policy_loss_config
 from streamrl.learner.forward import MicroBatch, policy_forward, value_forward
 from streamrl.learner.fsdp import load_causal_lm, load_value_model
@@ -56,18 +57,51 @@ def test_packed_and_padded_forward_agree(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_ratio_is_exactly_one_at_first_inner_step(tiny_model_dir, tmp_path, dynamic) -> None:
+    # One mini-batch: prepare leaves the proximal log-probs to the update's first forward.
     worker = make_worker(tiny_model_dir, tmp_path, **{"actor.use_dynamic_bsz": dynamic})
     batch = worker.prepare(make_batch())
-    assert not torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    assert "old_log_probs" not in batch and not worker.cfg.prepare_adds_tensors
+    start = worker.actor.compute_log_prob(batch)
     metrics = worker.update(with_advantages(batch, worker.cfg))
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/grad_norm"] > 0 and worker.version == 1
-    # Later inner steps (second mini-batch of a second epoch) see moved weights.
+    mismatch = algos.masked_mean((batch["rollout_log_probs"] - start).abs(),
+                                 batch["response_mask"])
+    assert metrics["rollout/logprob_abs_diff"] == pytest.approx(float(mismatch), rel=1e-5)
+    # Two mini-batches: prepare recomputes them; later inner steps see moved weights.
     worker2 = make_worker(tiny_model_dir, tmp_path, **{"actor.use_dynamic_bsz": dynamic,
                                                        "actor.ppo_mini_batch_size": 2,
                                                        "actor.ppo_epochs": 2})
-    batch = with_advantages(worker2.prepare(make_batch()), worker2.cfg)
-    assert worker2.update(batch)["actor/ppo_kl"] != 0.0
+    batch = worker2.prepare(make_batch())
+    assert not torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
+    assert worker2.update(with_advantages(batch, worker2.cfg))["actor/ppo_kl"] != 0.0
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"actor.use_dynamic_bsz": False, "actor.policy_loss": "decoupled", "actor.tis_cap": None},
+], ids=["packed-tis", "padded-decoupled"])
+def test_proximal_from_the_first_forward_equals_a_pass_of_its_own(
+        tiny_model_dir, tmp_path, overrides) -> None:
+    """Two epochs: the second one's proximal log-probs come from the first one's forward; the
+    update is the one it makes with them recomputed by a separate pass beforehand."""
+    torch.manual_seed(0)
+    batch = with_advantages(make_batch(seed=2), make_config(tiny_model_dir, tmp_path))
+    cfg = {"actor.ppo_epochs": 2, **overrides}
+    results = {}
+    for name in ("fused", "separate"):
+        worker = make_worker(tiny_model_dir, tmp_path, **cfg)
+        given = batch
+        if name == "separate":
+            old = worker.actor.compute_log_prob(batch)
+            given = batch.union(Batch({"old_log_probs": old}))
+        results[name] = (worker.update(given), weights(worker))
+    (fused, w_fused), (separate, w_separate) = results["fused"], results["separate"]
+    assert fused["actor/ppo_kl"] != 0.0  # the second epoch trains on moved weights
+    for key in ("actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "rollout/logprob_abs_diff"):
+        assert fused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-7), key
+    assert max_diff(w_fused, w_separate) < 1e-6
 
 
 def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) -> None:
@@ -82,9 +116,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, tmp_path) 
         # Without the (default) truncated IS weights: this is about the split, not the weights.
         worker = make_worker(tiny_model_dir, tmp_path, **{
             "actor.grad_clip": 0.0, "actor.tis_cap": None, **overrides})
-        prepared = with_advantages(worker.prepare(batch), worker.cfg)
-        metrics = worker.update(prepared)
-        results[name] = (metrics, weights(worker), prepared["old_log_probs"])
+        old = worker.actor.compute_log_prob(batch)
+        metrics = worker.update(with_advantages(worker.prepare(batch), worker.cfg))
+        results[name] = (metrics, weights(worker), old)
     ref_metrics, ref_weights, ref_lp = results["whole"]
     initial = weights(make_worker(tiny_model_dir, tmp_path))
     moved = max_diff(ref_weights, initial)
@@ -116,10 +150,9 @@ def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
     # behaviour log-probs near the model's own, so corrections keep most tokens
     batch.tensors["rollout_log_probs"] = worker.actor.compute_log_prob(batch) + 0.05 * (
         torch.randn_like(batch["rollout_log_probs"]) * batch["response_mask"])
-    prepared = worker.prepare(batch)
-    if overrides.get("actor.recompute_log_prob") is False:  # bypass
-        assert torch.equal(prepared["old_log_probs"], prepared["rollout_log_probs"])
-    metrics = worker.update(with_advantages(prepared, worker.cfg))
+    metrics = worker.update(with_advantages(worker.prepare(batch), worker.cfg))
+    if overrides.get("actor.recompute_log_prob") is False:  # bypass: proximal = behaviour
+        assert metrics["rollout/logprob_abs_diff"] == 0.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
     assert metrics["actor/skipped_steps"] == 0 and max_diff(weights(worker), before) > 0
     if worker.cfg.actor.tis_cap is not None or "actor.icepop_low" in overrides:
@@ -146,8 +179,8 @@ def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides) -> N
     prepared = with_advantages(worker.prepare(batch), worker.cfg)
     log_prob = worker.actor.compute_log_prob(prepared)
     loss_cfg = policy_loss_config(worker.cfg.actor)
-    args = (prepared["old_log_probs"], log_prob, prepared["advantages"],
-            prepared["response_mask"])
+    old = prepared["rollout_log_probs"] if loss_cfg.bypass else log_prob
+    args = (old, log_prob, prepared["advantages"], prepared["response_mask"])
     expected, expected_metrics = algos.compute_policy_loss_from_config(
         loss_cfg, *args, rollout_log_prob=prepared["rollout_log_probs"])
     uncorrected, _ = algos.compute_policy_loss_from_config(
@@ -171,12 +204,13 @@ def test_kl_loss_against_frozen_reference(tiny_model_dir, tmp_path) -> None:
                                                       "actor.kl_loss_type": "low_var_kl"})
     batch = make_batch()
     prepared = worker.prepare(batch)
-    assert torch.equal(prepared["ref_log_prob"], prepared["old_log_probs"])
+    start = worker.actor.compute_log_prob(batch)
+    assert torch.equal(prepared["ref_log_prob"], start)
     metrics = worker.update(with_advantages(prepared, worker.cfg))
     assert metrics["actor/kl_loss"] == 0.0 and metrics["actor/kl_coef"] == 0.1
     again = worker.prepare(batch)
     assert torch.equal(again["ref_log_prob"], prepared["ref_log_prob"])  # frozen
-    assert not torch.equal(again["old_log_probs"], prepared["old_log_probs"])  # trained
+    assert not torch.equal(worker.actor.compute_log_prob(batch), start)  # trained
     assert worker.update(with_advantages(again, worker.cfg))["actor/kl_loss"] > 0
 
 

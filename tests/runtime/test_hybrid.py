@@ -95,7 +95,7 @@ def _hybrid_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str
     def mismatch(completions: list[tuple[list[int], Any]]) -> float:
         """Largest |engine - learner| log-prob over this rank's sampled tokens."""
         batch = _gathered_batch(completions, world)
-        learner = worker.prepare(batch)["old_log_probs"]
+        learner = worker.actor.compute_log_prob(batch)
         mask = batch["response_mask"].bool()
         rows = slice(rank * len(completions), (rank + 1) * len(completions))
         diff = (learner - batch["rollout_log_probs"]).abs()[rows][mask[rows]]
