@@ -5,6 +5,10 @@
    micro-batches. Goal: update time <= 1.15x the bare time.
 2. Dynamic batching (token budget + sequence packing) vs padded fixed-size micro-batches on
    ragged lengths, in real tokens/s. Goal: >= 1.5x.
+3. A learner step (``prepare`` + ``update``, two epochs as by default) whose proximal
+   log-probs come from the update's first forward (what ``prepare`` leaves to it with one
+   mini-batch per epoch) vs one that computes them in a pass of their own first, as ``prepare``
+   does with several mini-batches. Printed for information (no goal).
 
 Run: ``.venv/bin/python benchmarks/learner.py [--repeats 3]`` (OMP_NUM_THREADS defaults to 1
 here so numbers are comparable on a shared machine; set it yourself to use more cores).
@@ -61,14 +65,14 @@ def ragged_batch(seed: int = 0, vocab: int = 300) -> Batch:
     return Batch.from_groups(groups, 0)
 
 
-def config(model_dir: Path, out: Path, dynamic: bool) -> Config:
+def config(model_dir: Path, out: Path, dynamic: bool, epochs: int = 1) -> Config:
     return validate(replace(Config(), **{
         "model.path": str(model_dir), "trainer.output_dir": str(out), "learner.device": "cpu",
         "task.train_batch_size": GROUPS, "task.max_prompt_length": PROMPT[1],
         "rollout.max_new_tokens": RESPONSE[1], "rollout.max_model_len": 512, "rollout.n": N,
         "actor.ppo_mini_batch_size": GROUPS, "actor.ppo_micro_batch_size": 2,
         "actor.use_dynamic_bsz": dynamic, "actor.ppo_max_token_len": BUDGET,
-        "actor.ppo_epochs": 1, "actor.optim.lr": 1e-5,
+        "actor.ppo_epochs": epochs, "actor.optim.lr": 1e-5,
     }))
 
 
@@ -105,6 +109,21 @@ def bare_step(model_dir: Path, batch: Batch, plan: list[list[int]]) -> Callable[
     return one_step
 
 
+def step_with_separate_proximal(worker: LearnerWorker, batch: Batch) -> Callable[[], None]:
+    """prepare + update, the proximal log-probs computed by a pass of their own first."""
+    def one_step() -> None:
+        prepared = with_advantages(worker.prepare(batch))
+        old = worker.actor.compute_log_prob(prepared)
+        worker.update(prepared.union(Batch({"old_log_probs": old})))
+
+    return one_step
+
+
+def learner_step(worker: LearnerWorker, batch: Batch) -> Callable[[], None]:
+    """prepare + update as the controller runs them."""
+    return lambda: worker.update(with_advantages(worker.prepare(batch)))
+
+
 def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -128,11 +147,14 @@ def main() -> None:
 
     dynamic = LearnerWorker(config(model_dir, work / "o", True), 0, 1, "127.0.0.1", free_port())
     padded = LearnerWorker(config(model_dir, work / "p", False), 0, 1, "127.0.0.1", 0)
+    two_epochs = LearnerWorker(config(model_dir, work / "e", True, epochs=2), 0, 1,
+                               "127.0.0.1", 0)
     plan = [rows for mini in dynamic.plan(batch) for rows in mini]
     steps = {"update": update_step(dynamic, batch), "bare": bare_step(model_dir, batch, plan),
-             "padded": update_step(padded, batch)}
+             "padded": update_step(padded, batch), "fused": learner_step(two_epochs, batch),
+             "separate": step_with_separate_proximal(two_epochs, batch)}
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(args.repeats + 1):  # interleaved so machine load hits all three alike
+    for i in range(args.repeats + 1):  # interleaved so machine load hits them all alike
         for name, fn in steps.items():
             elapsed = timed(fn)
             if i:  # the first round warms up
@@ -147,6 +169,10 @@ def main() -> None:
     print(f"[2] dynamic+packed {real_tokens / t_update:8.0f} tok/s | padded fixed micro "
           f"(2 groups) {real_tokens / t_padded:8.0f} tok/s | speed-up = "
           f"{t_padded / t_update:.2f}x (goal >= 1.5x)", flush=True)
+    t_fused, t_separate = min(times["fused"]), min(times["separate"])
+    print(f"[3] learner step, 2 epochs: proximal log-probs from the update's first forward "
+          f"{t_fused:.3f} s | from a pass of their own {t_separate:.3f} s | "
+          f"ratio {t_fused / t_separate:.3f}", flush=True)
     print(result_line("learner_update_vs_bare_time", t_update / t_bare, "<=", 1.15, digits=3))
     print(result_line("learner_dynamic_vs_padded", t_padded / t_update, ">=", 1.5))
     sys.exit(0)
