@@ -202,7 +202,7 @@ class ReplicaActor:
         from streamrl.weight_bus import make_receiver
 
         if self.receiver is not None:
-            self.receiver.close()
+            await self.receiver.aclose()
         policy = self.cfg.weight_bus.update_policy
 
         async def sink(weights: Any, version: int) -> None:
@@ -315,6 +315,6 @@ class ReplicaActor:
     async def shutdown(self) -> None:
         await self.stop()
         if self.receiver is not None:
-            self.receiver.close()
+            await self.receiver.aclose()
         self.scorer.close()
         await self.engine.close()

@@ -133,6 +133,11 @@ class WeightReceiver(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    async def aclose(self) -> None:
+        """``close`` from the event loop the receiver loads through (a replica's): waits for
+        a version being loaded without blocking the loop that loads it."""
+        self.close()
+
     def __enter__(self) -> WeightReceiver:
         return self
 

@@ -110,7 +110,7 @@ def engine_main(model_dir: str, endpoint: str, timeout_s: float, commands: Any,
                 params = SamplingParams(temperature=0.0, max_tokens=8)
                 [done] = await engine.generate(PROMPT, params, f"greedy-{arg}")
                 replies.put(("tokens", done.token_ids, done.versions))
-        receiver.close()
+        await receiver.aclose()
         await engine.close()
 
     asyncio.run(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import queue
 import threading
@@ -186,6 +187,37 @@ def test_publish_returns_with_the_version_pending_until_the_sink_loads_it() -> N
         assert rx.wait_version(1, TIMEOUT_S)
         assert pub.wait_loaded(1) == {"slow": 1}
     assert rx.pending_version == -1
+
+
+def test_aclose_on_the_loop_lets_the_version_being_loaded_finish() -> None:
+    """A replica closes its receiver from the event loop its sink loads on (at the end of a
+    run the last version may still be loading): a blocking close there would wait for a load
+    that can never run."""
+    cfg = WeightBusConfig(bucket_mb=1, timeout_s=TIMEOUT_S)
+    loaded: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def sink(weights, version: int) -> None:
+            started.set()
+            await release.wait()
+            loaded.append(version)
+
+        with make_publisher(cfg) as pub:
+            rx = make_receiver(cfg, endpoint=pub.endpoint, sink=sink, receiver_id="on-loop")
+            await loop.run_in_executor(None, pub.wait_for_receivers, 1)
+            await loop.run_in_executor(None, pub.publish, 1, make_state(1).items())
+            await asyncio.wait_for(started.wait(), TIMEOUT_S)
+            with pytest.raises(RuntimeError, match="await aclose"):
+                rx.close()
+            loop.call_later(0.1, release.set)
+            await asyncio.wait_for(rx.aclose(), TIMEOUT_S)
+            assert rx.version == 1
+
+    asyncio.run(main())
+    assert loaded == [1]
 
 
 def test_later_versions_follow_the_plan_zero_copy_and_a_layout_change_makes_a_new_one() -> None:

@@ -171,8 +171,26 @@ class CollectiveReceiver(WeightReceiver):
             return self._cond.wait_for(lambda: self._version >= version, timeout)
 
     def close(self) -> None:
+        """Stop receiving: waits (up to ``timeout_s``) for a version being received or loaded.
+        On ``loop``'s own thread use ``aclose``: blocking there would keep the sink from ever
+        finishing that load."""
+        if self.loop is not None and _running_loop() is self.loop:
+            raise RuntimeError("CollectiveReceiver.close() on its own event loop would wait on "
+                               "a load that needs that loop: await aclose() there")
         self._stop.set()
         self._thread.join(timeout=self.timeout_s)
+        self._release()
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, self.timeout_s)
+        self._release()
+
+    def _release(self) -> None:
+        if self._thread.is_alive():
+            log.error("weight bus: %s still receiving or loading version %d after %.0f s "
+                      "(weight_bus.timeout_s); closed anyway", self.receiver_id, self._pending,
+                      self.timeout_s)
         self.control.close()
         self.landing.close()
 
@@ -228,6 +246,13 @@ class CollectiveReceiver(WeightReceiver):
             asyncio.run_coroutine_threadsafe(_awaited(result), self.loop).result()
         else:
             asyncio.run(_awaited(result))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def _awaited(awaitable: Any) -> Any:
