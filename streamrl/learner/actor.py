@@ -126,8 +126,9 @@ class Actor:
         return (log_probs, entropy) if with_entropy else log_probs
 
     def update(self, batch: Batch) -> dict[str, float]:
-        """One training step over ``batch`` (needs advantages, old_log_probs, ref_log_prob when
-        use_kl_loss); returns verl-named metrics averaged over mini-batches."""
+        """One training step over ``batch`` (needs advantages, ref_log_prob when use_kl_loss,
+        old_log_probs when an epoch has several mini-batches); returns verl-named metrics
+        averaged over mini-batches."""
         required = ["advantages", "response_mask", "rollout_log_probs"]
         if self.acfg.use_kl_loss:
             required.append("ref_log_prob")

@@ -50,7 +50,6 @@ REQUIRED_TENSORS = ("input_ids", "attention_mask", "position_ids", "responses", 
                     "rollout_log_probs")
 
 
-
 class LearnerWorker:
     def __init__(
         self, cfg: Config, rank: int, world_size: int, master_addr: str, master_port: int
