@@ -218,7 +218,7 @@ def replica_main(model_dir: str, endpoint: str, swaps: int, out: Any) -> None:
         await asyncio.gather(*loops)
         out.put({"pauses": [end - start for start, end in timer.pauses], "reloads": reloads,
                  **_gaps(finishes, timer.pauses)})
-        receiver.close()
+        await receiver.aclose()  # on its own loop: close() would wait on a load needing it
         await engine.close()
 
     asyncio.run(main())
@@ -267,6 +267,10 @@ def pause(mparams: int, swaps: int) -> dict[str, Any]:
             time.sleep(0.5)  # let sampling settle between swaps
         result = out.get(timeout=600)
         proc.join(timeout=120)
+        if proc.is_alive():  # its engine core would keep this process from exiting
+            proc.kill()
+            raise RuntimeError(f"the replica process (pid {proc.pid}) did not exit within "
+                               "120 s of reporting its swaps; killed")
     start = time.perf_counter()
     copies = {k: v.clone() for k, v in state.items()}
     copy_s = time.perf_counter() - start
