@@ -1,14 +1,17 @@
 """vLLM receiver: buckets land directly inside the vLLM worker, then swap atomically.
 
 Parts:
-- Worker-side functions, run in vLLM's worker process through ``VLLMEngine.collective_rpc(fn,
-  args)`` (shipped by import path; arguments are msgpack bytes, never pickle):
-  ``stage_begin`` joins the announced weight-group generation from the worker and receives the
-  version in a background thread (the engine keeps sampling meanwhile); ``stage_poll`` reports
-  progress; ``commit_staged`` loads the staged tensors with ``load_into_worker``
-  (``model_runner.reload_weights`` on CPU, ``model.load_weights`` on GPU) and returns how long
-  that took (the engine's own reload, the floor of any swap); ``discard_staged``.
-- ``VLLMWorkerLanding``: the ``Landing`` that drives those functions from the replica process.
+- Inside vLLM's worker process: the stager, a thread that receives each version the replica's
+  receiver hands it (over a loopback ZMQ socket of its own, ``stager_endpoint`` starts it) by
+  joining the announced weight-group generation; the engine keeps sampling meanwhile, and no
+  engine step stands between an announcement and its receive or between the receive and its
+  reply. Worker functions run through ``VLLMEngine.collective_rpc(fn, args)`` (shipped by import
+  path; arguments are msgpack bytes, never pickle): ``stager_endpoint``; ``commit_staged``
+  loads the staged tensors with ``load_into_worker`` (``model_runner.reload_weights`` on CPU,
+  ``model.load_weights`` on GPU) and returns how long that took (the engine's own reload, the
+  floor of any swap); ``discard_staged``.
+- ``VLLMWorkerLanding``: the ``Landing`` that hands announcements to the stager from the
+  replica process and waits for its reply.
 - ``StagedWeights``: what the sink receives: a handle to a version staged in the worker.
   ``await staged.load_into(engine, version)`` swaps it in through
   ``engine.load_weights_with`` (pause, load, reset KV cache, adopt version, resume), so the pause a
@@ -29,12 +32,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
+import zmq
 
-from streamrl.types import WeightManifest, decode, encode
+from streamrl.net import LOOPBACK
+from streamrl.types import DecodeError, WeightManifest, decode, encode
 from streamrl.weight_bus.base import NamedTensors, WeightBusError, WeightBusTimeout
 from streamrl.weight_bus.collective import CollectiveReceiver, LocalLanding
 from streamrl.weight_bus.control import Announce
+
+HEALTH_EVERY_S = 1.0
+"""While the stager has not replied, how often the landing checks that the engine is alive."""
+
+
+class StageReply(msgspec.Struct, kw_only=True, frozen=True):
+    """The stager's answer to one announcement: the manifest it assembled, or why it failed."""
+
+    publish_id: str
+    manifest: WeightManifest | None = None
+    error: str = ""
+
 
 # ------------------------------------------------------------------- inside the vLLM worker ----
 
@@ -50,43 +68,53 @@ class _Stage:
 
 _LANDING = LocalLanding()  # this worker's membership of the weight group (kept per generation)
 _STAGES: dict[str, _Stage] = {}
-_STAGE_LOCK = threading.Lock()  # one receive at a time per worker (collectives are ordered)
+_STAGER: list[str] = []  # the endpoint of this worker's stager, once started
+_STAGER_LOCK = threading.Lock()
 
 
 def _receive_into(stage: _Stage) -> None:
     try:
-        with _STAGE_LOCK:
-            manifest, tensors = _LANDING.receive(stage.announce)
+        manifest, tensors = _LANDING.receive(stage.announce)
         stage.manifest, stage.tensors = manifest, list(tensors)
-    except Exception as exc:  # reported through stage_poll
+    except Exception as exc:  # reported in the stager's reply
         stage.error = f"{type(exc).__name__}: {exc}"
     finally:
         stage.done.set()
 
 
-def stage_begin(worker: Any, announce: bytes) -> str:
-    """Start receiving the announced version in a worker thread; returns its publish id."""
-    del worker  # the group lives in this process; the model is untouched until commit
-    ann = decode(announce, Announce)
-    stage = _STAGES[ann.publish_id] = _Stage(ann)
-    threading.Thread(target=_receive_into, args=(stage,), daemon=True,
-                     name=f"weight-bus-stage-{ann.version}").start()
-    return ann.publish_id
-
-
-def stage_poll(worker: Any, publish_id: str) -> tuple[str, bytes]:
-    """("running", b"") | ("done", encoded manifest) | ("failed", error)."""
-    del worker
-    stage = _STAGES.get(publish_id)
-    if stage is None:
-        return "failed", f"no staged transfer {publish_id} in this worker".encode()
-    if not stage.done.is_set():
-        return "running", b""
+def _stage_one(payload: bytes) -> StageReply:
+    try:
+        announce = decode(payload, Announce)
+    except DecodeError as exc:
+        return StageReply(publish_id="", error=str(exc))
+    stage = _STAGES[announce.publish_id] = _Stage(announce)
+    _receive_into(stage)
     if stage.error:
-        _STAGES.pop(publish_id, None)
-        return "failed", stage.error.encode()
-    assert stage.manifest is not None
-    return "done", encode(stage.manifest)
+        _STAGES.pop(announce.publish_id, None)
+        return StageReply(publish_id=announce.publish_id, error=stage.error)
+    return StageReply(publish_id=announce.publish_id, manifest=stage.manifest)
+
+
+def _serve_stager(sock: zmq.Socket) -> None:
+    """The stager's loop: one announcement at a time (collectives are ordered), each answered
+    to the landing that sent it."""
+    while True:
+        sender, payload = sock.recv_multipart()
+        sock.send_multipart([sender, encode(_stage_one(payload))])
+
+
+def stager_endpoint(worker: Any) -> str:
+    """Start this worker's stager (once per process); returns the endpoint it listens on."""
+    del worker  # the group lives in this process; the model is untouched until commit
+    with _STAGER_LOCK:
+        if not _STAGER:
+            sock = zmq.Context.instance().socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
+            threading.Thread(target=_serve_stager, args=(sock,), daemon=True,
+                             name="weight-bus-stager").start()
+            _STAGER.append(f"tcp://{LOOPBACK}:{port}")
+        return _STAGER[0]
 
 
 def commit_staged(worker: Any, publish_id: str) -> float:
@@ -127,42 +155,70 @@ class StagedWeights:
 
 
 class VLLMWorkerLanding:
-    """Receives each version inside the vLLM worker by driving the worker-side functions."""
+    """Hands each announcement to the worker's stager and waits for its reply (in the
+    receiver's thread: no event-loop hop, no engine step in between)."""
 
     def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
         self.engine, self.loop, self.timeout_s = engine, loop, timeout_s
+        self._sock: zmq.Socket | None = None
+        self._receiving = threading.Event()
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    async def _stage(self, announce: Announce) -> WeightManifest:
-        await self.engine.collective_rpc(stage_begin, (encode(announce),))
+    def _stager(self) -> zmq.Socket:
+        if self._sock is None:
+            results = self._run(self.engine.collective_rpc(stager_endpoint))
+            if len(results) != 1:
+                raise WeightBusError(f"weight bus: expected one vLLM worker, got {len(results)}")
+            self._sock = zmq.Context.instance().socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(results[0])
+        return self._sock
+
+    def receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]:
+        self._receiving.set()
+        try:
+            return self._receive(announce)
+        finally:
+            self._receiving.clear()
+
+    def _receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]:
+        sock = self._stager()
+        sock.send(encode(announce))
         # The worker bounds each of its waits by timeout_s; this bound covers a silent worker.
         deadline = time.monotonic() + self.timeout_s * 4
         while True:
-            results = await self.engine.collective_rpc(stage_poll, (announce.publish_id,))
-            if len(results) != 1:
-                raise WeightBusError(f"weight bus: expected one vLLM worker, got {len(results)}")
-            state, payload = results[0]
-            if state == "done":
-                return decode(payload, WeightManifest)
-            if state == "failed":
-                raise WeightBusError(f"weight bus: vLLM worker failed to receive version "
-                                     f"{announce.version}: {payload.decode(errors='replace')}")
-            if time.monotonic() > deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._drop()  # a late reply must not answer a later announcement
                 raise WeightBusTimeout(f"weight bus: vLLM worker still receiving version "
                                        f"{announce.version} after {self.timeout_s * 4:.0f} s")
-            await asyncio.sleep(0.02)
-
-    def receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]:
-        manifest = self._run(self._stage(announce))
-        return manifest, StagedWeights(announce.publish_id, manifest)
+            if not sock.poll(int(min(remaining, HEALTH_EVERY_S) * 1000) + 1):
+                if not self._run(self.engine.health()):
+                    self._drop()
+                    raise WeightBusError(f"weight bus: the vLLM engine died while its worker "
+                                         f"was receiving version {announce.version}")
+                continue
+            reply = decode(sock.recv(), StageReply)
+            if reply.publish_id != announce.publish_id:
+                continue  # the answer to an announcement given up on before
+            if reply.error or reply.manifest is None:
+                raise WeightBusError(f"weight bus: vLLM worker failed to receive version "
+                                     f"{announce.version}: {reply.error}")
+            return reply.manifest, StagedWeights(announce.publish_id, reply.manifest)
 
     def discard(self, announce: Announce) -> None:
         self._run(self.engine.collective_rpc(discard_staged, (announce.publish_id,)))
 
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
     def close(self) -> None:
-        return None
+        if not self._receiving.is_set():  # else its thread still uses the socket: leave it
+            self._drop()
 
 
 class VLLMReceiver(CollectiveReceiver):
