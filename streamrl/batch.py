@@ -43,6 +43,11 @@ def _baselines(groups: Sequence[Group]) -> torch.Tensor | None:
                         dtype=torch.float32)
 
 
+def _right_padded(trajs: Sequence[Any], name: str, width: int, pad: Any) -> list[list[Any]]:
+    """Each trajectory's list ``name`` right-padded with ``pad`` to ``width``."""
+    return [(values := getattr(t, name)) + [pad] * (width - len(values)) for t in trajs]
+
+
 def _column(values: list[Any], dtype: Any = object) -> np.ndarray:
     out = np.empty(len(values), dtype=dtype)
     out[:] = values  # element-wise, so tuples/None never become extra dimensions
@@ -266,32 +271,37 @@ class Batch:
             for name in ("prompt_ids", "response_ids"):
                 if not getattr(t, name):
                     raise ValueError(f"Trajectory {t.uid}: {name} is empty")
-        B = len(trajs)
         P = max(len(t.prompt_ids) for t in trajs)
         R = max(len(t.response_ids) for t in trajs)
-        prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
-        responses = torch.full((B, R), pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros(B, P, dtype=torch.long)
-        resp_attn = torch.zeros(B, R, dtype=torch.long)
-        response_mask = torch.zeros(B, R, dtype=torch.float32)
-        log_probs = torch.zeros(B, R, dtype=torch.float32)
-        versions = torch.full((B, R), OBSERVATION_VERSION, dtype=torch.long)
-        scores = torch.zeros(B, R, dtype=torch.float32)
-        for i, t in enumerate(trajs):
-            p, r = len(t.prompt_ids), len(t.response_ids)
-            prompts[i, P - p:] = torch.tensor(t.prompt_ids)
-            prompt_mask[i, P - p:] = 1
-            responses[i, :r] = torch.tensor(t.response_ids)
-            resp_attn[i, :r] = 1
-            mask = torch.tensor(t.loss_mask, dtype=torch.float32)
-            response_mask[i, :r] = mask
-            log_probs[i, :r] = torch.tensor(t.logprobs, dtype=torch.float32)
-            versions[i, :r] = torch.tensor(t.versions).masked_fill(mask == 0, OBSERVATION_VERSION)
-            if t.token_rewards is not None:
-                scores[i, :r] = torch.tensor(t.token_rewards, dtype=torch.float32)
-            else:
-                policy = mask.nonzero()
-                scores[i, int(policy[-1]) if policy.numel() else r - 1] = t.reward
+        # One tensor per field from padded lists (list concatenation runs in C): a few torch
+        # calls per batch instead of several per row.
+        prompt_lens = torch.tensor([len(t.prompt_ids) for t in trajs])
+        response_lens = torch.tensor([len(t.response_ids) for t in trajs])
+        prompts = torch.tensor([[pad_token_id] * (P - len(t.prompt_ids)) + t.prompt_ids
+                                for t in trajs], dtype=torch.long)
+        responses = torch.tensor(_right_padded(trajs, "response_ids", R, pad_token_id),
+                                 dtype=torch.long)
+        prompt_mask = (torch.arange(P) >= P - prompt_lens[:, None]).long()
+        resp_attn = (torch.arange(R) < response_lens[:, None]).long()
+        response_mask = torch.tensor(_right_padded(trajs, "loss_mask", R, 0),
+                                     dtype=torch.float32)
+        log_probs = torch.tensor(_right_padded(trajs, "logprobs", R, 0.0), dtype=torch.float32)
+        # Padding has mask 0 too, so it gets the observation version with observation tokens.
+        versions = torch.tensor(_right_padded(trajs, "versions", R, OBSERVATION_VERSION),
+                                dtype=torch.long).masked_fill(response_mask == 0,
+                                                              OBSERVATION_VERSION)
+        scores = torch.tensor([(t.token_rewards or []) + [0.0] * (R - len(t.token_rewards or []))
+                               for t in trajs], dtype=torch.float32)
+        sparse = torch.tensor([t.token_rewards is None for t in trajs])
+        if bool(sparse.any()):
+            # The reward sits at the last policy token, or the last response token when no token
+            # is a policy token (response_mask is 0 on padding: argmax finds the last 1).
+            positions = torch.arange(1, R + 1, dtype=torch.float32)
+            last_policy = (response_mask * positions).argmax(dim=1)
+            last = torch.where(response_mask.any(dim=1), last_policy, response_lens - 1)
+            rows = sparse.nonzero().squeeze(1)
+            scores[rows, last[rows]] = torch.tensor([t.reward for t in trajs],
+                                                    dtype=torch.float32)[rows]
         attention_mask = torch.cat([prompt_mask, resp_attn], dim=1)
         min_versions = [v for g in groups if (v := g.min_version) is not None]
         baselines = _baselines(groups)
