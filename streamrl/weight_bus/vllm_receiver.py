@@ -26,6 +26,7 @@ One worker per engine (tensor_parallel_size=1): the worker is one rank of the we
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -99,8 +100,9 @@ def _serve_stager(sock: zmq.Socket) -> None:
     """The stager's loop: one announcement at a time (collectives are ordered), each answered
     to the landing that sent it."""
     while True:
-        sender, payload = sock.recv_multipart()
-        sock.send_multipart([sender, encode(_stage_one(payload))])
+        frames = sock.recv_multipart()
+        if len(frames) == 2:  # [landing, announcement]; anything else is not ours
+            sock.send_multipart([frames[0], encode(_stage_one(frames[1]))])
 
 
 def stager_endpoint(worker: Any) -> str:
@@ -163,8 +165,8 @@ class VLLMWorkerLanding:
         self._sock: zmq.Socket | None = None
         self._receiving = threading.Event()
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def _run(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def _stager(self) -> zmq.Socket:
         if self._sock is None:
@@ -195,10 +197,7 @@ class VLLMWorkerLanding:
                 raise WeightBusTimeout(f"weight bus: vLLM worker still receiving version "
                                        f"{announce.version} after {self.timeout_s * 4:.0f} s")
             if not sock.poll(int(min(remaining, HEALTH_EVERY_S) * 1000) + 1):
-                if not self._run(self.engine.health()):
-                    self._drop()
-                    raise WeightBusError(f"weight bus: the vLLM engine died while its worker "
-                                         f"was receiving version {announce.version}")
+                self._check_engine(announce, remaining)
                 continue
             reply = decode(sock.recv(), StageReply)
             if reply.publish_id != announce.publish_id:
@@ -207,6 +206,20 @@ class VLLMWorkerLanding:
                 raise WeightBusError(f"weight bus: vLLM worker failed to receive version "
                                      f"{announce.version}: {reply.error}")
             return reply.manifest, StagedWeights(announce.publish_id, reply.manifest)
+
+    def _check_engine(self, announce: Announce, timeout: float) -> None:
+        """Raise if the engine died, or does not answer within ``timeout``, mid-receive."""
+        try:
+            healthy = self._run(self.engine.health(), max(timeout, 0.1))
+        except concurrent.futures.TimeoutError:
+            self._drop()
+            raise WeightBusTimeout(f"weight bus: the vLLM engine did not answer a health check "
+                                   f"while its worker was receiving version {announce.version}"
+                                   ) from None
+        if not healthy:
+            self._drop()
+            raise WeightBusError(f"weight bus: the vLLM engine died while its worker was "
+                                 f"receiving version {announce.version}")
 
     def discard(self, announce: Announce) -> None:
         self._run(self.engine.collective_rpc(discard_staged, (announce.publish_id,)))

@@ -8,8 +8,11 @@ import queue
 import time
 
 import pytest
+import zmq
 
+from streamrl.types import decode
 from streamrl.weight_bus.collective import CollectivePublisher
+from streamrl.weight_bus.vllm_receiver import StageReply, stager_endpoint
 from tests.support.weights import engine_main, second_model
 
 pytest.importorskip("vllm")
@@ -69,3 +72,25 @@ def test_published_weights_drive_the_engine_in_another_process(replica, tiny_mod
     assert stats2.generation == stats.generation
     assert call("wait_version", 2)[1:] == (True, 2)
     assert call("generate", 2)[1] == expected2
+
+
+def test_the_stager_answers_a_malformed_announcement_and_keeps_serving():
+    """The worker's stager (here in this process) replies to what it cannot decode with the
+    reason, ignores messages that are not [landing, announcement], and goes on serving."""
+    endpoint = stager_endpoint(None)
+    assert stager_endpoint(None) == endpoint  # one stager per process
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(b"\xc1 not msgpack")
+        assert sock.poll(10_000), "the stager did not answer"
+        reply = decode(sock.recv(), StageReply)
+        assert reply.manifest is None and "cannot decode Announce" in reply.error
+        sock.send_multipart([b"one frame too", b"many"])  # ignored
+        sock.send(b"again")
+        assert sock.poll(10_000), "the stager stopped serving"
+        assert "cannot decode Announce" in decode(sock.recv(), StageReply).error
+        assert not sock.poll(200)  # the ignored message got no answer
+    finally:
+        sock.close()
