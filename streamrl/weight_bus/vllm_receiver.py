@@ -168,9 +168,17 @@ class VLLMWorkerLanding:
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def _rpc(self, fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> list[Any]:
+        """``fn`` in the worker, waiting at most ``timeout_s`` (one engine step, normally)."""
+        try:
+            return list(self._run(self.engine.collective_rpc(fn, args), self.timeout_s))
+        except concurrent.futures.TimeoutError:
+            raise WeightBusTimeout(f"weight bus: the vLLM engine did not run {what} within "
+                                   f"{self.timeout_s:g} s") from None
+
     def _stager(self) -> zmq.Socket:
         if self._sock is None:
-            results = self._run(self.engine.collective_rpc(stager_endpoint))
+            results = self._rpc(stager_endpoint, (), "stager_endpoint (starting its stager)")
             if len(results) != 1:
                 raise WeightBusError(f"weight bus: expected one vLLM worker, got {len(results)}")
             self._sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -222,7 +230,8 @@ class VLLMWorkerLanding:
                                  f"receiving version {announce.version}")
 
     def discard(self, announce: Announce) -> None:
-        self._run(self.engine.collective_rpc(discard_staged, (announce.publish_id,)))
+        self._rpc(discard_staged, (announce.publish_id,),
+                  f"discard_staged (version {announce.version})")
 
     def _drop(self) -> None:
         if self._sock is not None:
