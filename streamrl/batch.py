@@ -43,9 +43,20 @@ def _baselines(groups: Sequence[Group]) -> torch.Tensor | None:
                         dtype=torch.float32)
 
 
-def _right_padded(trajs: Sequence[Any], name: str, width: int, pad: Any) -> list[list[Any]]:
-    """Each trajectory's list ``name`` right-padded with ``pad`` to ``width``."""
-    return [(values := getattr(t, name)) + [pad] * (width - len(values)) for t in trajs]
+def _packed(trajs: Sequence[Any], name: str, where: Tensor, pad: Any, dtype: torch.dtype
+            ) -> Tensor:
+    """Each trajectory's packed array ``name`` laid into the rows of a ``where``-shaped tensor
+    at its True cells (row-major: a row's cells in order), ``pad`` elsewhere. One copy of the
+    bytes, no Python object per token."""
+    first = getattr(trajs[0], name)
+    flat = torch.frombuffer(bytearray().join(getattr(t, name) for t in trajs),
+                            dtype=_TORCH_DTYPES[first.typecode])
+    out = torch.full(where.shape, pad, dtype=dtype)
+    out[where] = flat.to(dtype)
+    return out
+
+
+_TORCH_DTYPES = {"i": torch.int32, "B": torch.uint8, "f": torch.float32}
 
 
 def _column(values: list[Any], dtype: Any = object) -> np.ndarray:
@@ -273,25 +284,25 @@ class Batch:
                     raise ValueError(f"Trajectory {t.uid}: {name} is empty")
         P = max(len(t.prompt_ids) for t in trajs)
         R = max(len(t.response_ids) for t in trajs)
-        # One tensor per field from padded lists (list concatenation runs in C): a few torch
-        # calls per batch instead of several per row.
+        # One tensor per field from the trajectories' packed arrays: one copy of their bytes
+        # and a masked assignment, whatever the number of rows.
         prompt_lens = torch.tensor([len(t.prompt_ids) for t in trajs])
         response_lens = torch.tensor([len(t.response_ids) for t in trajs])
-        prompts = torch.tensor([[pad_token_id] * (P - len(t.prompt_ids)) + t.prompt_ids
-                                for t in trajs], dtype=torch.long)
-        responses = torch.tensor(_right_padded(trajs, "response_ids", R, pad_token_id),
-                                 dtype=torch.long)
-        prompt_mask = (torch.arange(P) >= P - prompt_lens[:, None]).long()
-        resp_attn = (torch.arange(R) < response_lens[:, None]).long()
-        response_mask = torch.tensor(_right_padded(trajs, "loss_mask", R, 0),
-                                     dtype=torch.float32)
-        log_probs = torch.tensor(_right_padded(trajs, "logprobs", R, 0.0), dtype=torch.float32)
+        in_prompt = torch.arange(P) >= P - prompt_lens[:, None]  # left-padded
+        in_response = torch.arange(R) < response_lens[:, None]  # right-padded
+        prompts = _packed(trajs, "prompt_ids", in_prompt, pad_token_id, torch.long)
+        responses = _packed(trajs, "response_ids", in_response, pad_token_id, torch.long)
+        prompt_mask, resp_attn = in_prompt.long(), in_response.long()
+        response_mask = _packed(trajs, "loss_mask", in_response, 0, torch.float32)
+        log_probs = _packed(trajs, "logprobs", in_response, 0.0, torch.float32)
         # Padding has mask 0 too, so it gets the observation version with observation tokens.
-        versions = torch.tensor(_right_padded(trajs, "versions", R, OBSERVATION_VERSION),
-                                dtype=torch.long).masked_fill(response_mask == 0,
-                                                              OBSERVATION_VERSION)
-        scores = torch.tensor([(t.token_rewards or []) + [0.0] * (R - len(t.token_rewards or []))
-                               for t in trajs], dtype=torch.float32)
+        versions = _packed(trajs, "versions", in_response, OBSERVATION_VERSION,
+                           torch.long).masked_fill(response_mask == 0, OBSERVATION_VERSION)
+        scores = torch.zeros(len(trajs), R, dtype=torch.float32)
+        dense = [i for i, t in enumerate(trajs) if t.token_rewards is not None]
+        if dense:
+            scores[dense] = _packed([trajs[i] for i in dense], "token_rewards",
+                                    in_response[dense], 0.0, torch.float32)
         sparse = torch.tensor([t.token_rewards is None for t in trajs])
         if bool(sparse.any()):
             # The reward sits at the last policy token, or the last response token when no token

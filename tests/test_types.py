@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import array
 import os
 import pickle
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,12 @@ from streamrl.types import (
     OBSERVATION_VERSION,
     BucketSpec,
     DecodeError,
+    Float32Array,
     Group,
+    Int32Array,
     TensorSpec,
     Trajectory,
+    UInt8Array,
     WeightManifest,
     decode,
     encode,
@@ -45,7 +50,7 @@ def raw(obj: msgspec.Struct) -> dict[str, Any]:
 # ---- round trips ---------------------------------------------------------------------------
 def test_trajectory_round_trip_keeps_every_field() -> None:
     t = multi_turn()
-    t.token_rewards = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    t.token_rewards = Float32Array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
     back = decode(encode(t), Trajectory)
     assert back == t
     assert back.extra == {"turns": 2, "tools": ["calc"]}
@@ -88,7 +93,7 @@ def test_multi_turn_versions_ignore_observation_tokens() -> None:
     assert t.num_policy_tokens == 4
     # an observation token is never the oldest, whatever it is stamped with
     t_old_obs = multi_turn()
-    t_old_obs.versions = [7, 7, 0, 0, 0, 8, 9]
+    t_old_obs.versions = Int32Array([7, 7, 0, 0, 0, 8, 9])
     assert t_old_obs.min_version == 7
 
 
@@ -133,6 +138,48 @@ def test_group_validation() -> None:
         Group(group_id="g0", trajectories=[])
 
 
+# ---- packed per-token fields -----------------------------------------------------------------
+def test_per_token_fields_are_packed_arrays_on_the_wire() -> None:
+    t = traj(token_rewards=[0.0, 0.0, 1.0])
+    assert [type(getattr(t, f)) for f in ("prompt_ids", "response_ids", "loss_mask", "logprobs",
+                                          "versions", "token_rewards")] == [
+        Int32Array, Int32Array, UInt8Array, Float32Array, Int32Array, Float32Array]
+    wire = raw(t)  # one bin per field: the little-endian items
+    assert wire["response_ids"] == struct.pack("<3i", *t.response_ids)
+    assert wire["logprobs"] == struct.pack("<3f", *t.logprobs)
+    assert wire["loss_mask"] == bytes(t.loss_mask)
+    assert t.response_ids == list(t.response_ids) and t.response_ids != [*t.response_ids, 0]
+    ids = t.response_ids.tolist()  # slices and concatenations stay packed and list-equal
+    assert t.response_ids[1:] == ids[1:] and type(t.response_ids[1:]) is Int32Array
+    assert t.prompt_ids + t.response_ids == t.prompt_ids.tolist() + ids
+    assert t.response_ids + [7] == [*ids, 7] and [7] + t.response_ids == [7, *ids]  # noqa: RUF005
+
+
+def test_entries_written_with_lists_still_decode() -> None:
+    t = traj(token_rewards=[0.0, 0.0, 1.0])
+    wire = {k: (v.tolist() if isinstance(v, array.array) else v)
+            for k, v in msgspec.structs.asdict(t).items()}
+    back = decode(msgspec.msgpack.encode(wire), Trajectory)
+    assert back == t and type(back.versions) is Int32Array
+
+
+def test_packed_fields_survive_pickling() -> None:  # Ray moves groups between actors
+    g = Group(group_id="g0", trajectories=[traj("a"), traj("b", token_rewards=[0.0, 0.5, 1.0])])
+    back = pickle.loads(pickle.dumps(g))
+    assert back == g and type(back.trajectories[1].token_rewards) is Float32Array
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("response_ids", [1, 2**40, 3], "response_ids must hold int32 values"),
+    ("versions", ["a", "b", "c"], "versions must hold int32 values"),
+    ("logprobs", [None, 0.0, 0.0], "logprobs must hold float32 values"),
+])
+def test_values_a_packed_field_cannot_hold_are_refused(field: str, value: Any,
+                                                       message: str) -> None:
+    with pytest.raises(ValueError, match=f"Trajectory t0: {message}"):
+        traj(**{field: value})
+
+
 # ---- decoding hostile bytes ------------------------------------------------------------------
 @pytest.mark.parametrize(("data", "message"), [
     (b"\xc1\xc1 not msgpack", "malformed"),
@@ -155,9 +202,12 @@ def test_truncated_and_padded_bytes_raise_decode_error() -> None:
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("prompt_ids", ["x"], r"Expected `int`, got `str` - at `\$.prompt_ids\[0\]`"),
+    ("prompt_ids", ["x"], r"Expected `int`, got `str` at `\[0\]` - at `\$.prompt_ids`"),
+    ("prompt_ids", b"\x01\x00\x00", r"not a multiple of item size - at `\$.prompt_ids`"),
+    ("logprobs", 5, r"expected bytes for Float32Array, got int - at `\$.logprobs`"),
     ("reward", "high", r"Expected `float`, got `str` - at `\$.reward`"),
-    ("loss_mask", [True, False, True], r"Expected `int`, got `bool` - at `\$.loss_mask\[0\]`"),
+    ("loss_mask", [True, False, True],
+     r"Expected `int`, got `bool` at `\[0\]` - at `\$.loss_mask`"),
     ("uid", None, r"Expected `str`, got `None` - at `\$.uid`"),
 ])
 def test_wrong_type_fields_raise_decode_error(field: str, value: Any, message: str) -> None:
