@@ -179,7 +179,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     @property
     def min_version(self) -> int | None:
         """Oldest policy version that contributed a token, or None if no token was sampled."""
-        if 0 not in self.loss_mask:  # all policy tokens (the common case): no filtering
+        if b"\x00" not in bytes(self.loss_mask):  # all policy tokens (common): no filtering
             return min(self.versions, default=None)
         return min(compress(self.versions, self.loss_mask), default=None)
 
