@@ -7,9 +7,10 @@ raises :class:`DecodeError` naming what was wrong.
 A trajectory's per-token fields are packed arrays (``Int32Array``, ``UInt8Array``,
 ``Float32Array``: ``array.array`` of a fixed item type), one MessagePack ``bin`` each on the
 wire, little-endian. Decoding one is a copy of its bytes, not one Python object per token (a
-group of 4 x 128 tokens decodes ~10x faster than as lists), and the learner turns them into
-tensors with ``torch.frombuffer``. Lists given to ``Trajectory`` are converted; entries written
-as lists (streamrl before packed arrays) still decode.
+group of 4 x 128 tokens: 16 instead of 58 us), and the learner turns them into tensors with
+``torch.frombuffer``. Log-probs and token rewards are float32, what the engine computes and the
+learner trains on. Lists given to ``Trajectory`` are converted; entries written as lists
+(streamrl before packed arrays) still decode.
 
 Dependencies point inward: this module imports nothing from the rest of streamrl.
 """
@@ -106,11 +107,11 @@ def _unpack(kind: type[PackedArray], data: Any) -> PackedArray:
     return out
 
 
-def _packed(kind: type[PackedArray], name: str, values: Any, uid: str) -> PackedArray:
+def _convert(kind: type[PackedArray], name: str, values: Any, uid: str) -> PackedArray:
     try:
         return kind(values)
     except (TypeError, OverflowError) as exc:
-        if kind is UInt8Array:  # the loss mask
+        if kind is UInt8Array and isinstance(exc, OverflowError):  # the loss mask, -1 or 256
             bad = next(v for v in values if v not in (0, 1))
             raise ValueError(f"Trajectory {uid}: {name} must hold only 0 and 1, got {bad}"
                              ) from None
@@ -149,7 +150,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
         for name, kind in _PACKED_FIELDS:
             values = getattr(self, name)
             if type(values) is not kind and values is not None:
-                setattr(self, name, _packed(kind, name, values, self.uid))
+                setattr(self, name, _convert(kind, name, values, self.uid))
         n = len(self.response_ids)
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
