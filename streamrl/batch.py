@@ -303,7 +303,8 @@ class Batch:
         if dense:
             scores[dense] = _packed([trajs[i] for i in dense], "token_rewards",
                                     in_response[dense], 0.0, torch.float32)
-        sparse = torch.tensor([t.token_rewards is None for t in trajs])
+        sparse = torch.ones(len(trajs), dtype=torch.bool)
+        sparse[dense] = False
         if bool(sparse.any()):
             # The reward sits at the last policy token, or the last response token when no token
             # is a policy token (response_mask is 0 on padding: argmax finds the last 1).

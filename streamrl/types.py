@@ -59,7 +59,7 @@ class PackedArray(array.array):  # type: ignore[type-arg]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, list | tuple):
-            return len(self) == len(other) and self.tolist() == list(other)
+            return self.tolist() == list(other)
         return super().__eq__(other)
 
     def __ne__(self, other: object) -> bool:
@@ -90,21 +90,18 @@ _BIG_ENDIAN = sys.byteorder == "big"  # the wire is little-endian
 
 def _unpack(kind: type[PackedArray], data: Any) -> PackedArray:
     """A packed array from its little-endian bytes (or, as old entries hold it, a list)."""
-    if type(data) is bytes and not _BIG_ENDIAN:  # every decode: one copy
-        return array.array.__new__(kind, kind.TYPECODE, data)  # type: ignore[return-value]
+    if type(data) is bytes:  # msgpack bin and pickle give bytes: one copy
+        out = array.array.__new__(kind, kind.TYPECODE, data)  # ValueError: not whole items
+        if _BIG_ENDIAN:
+            out.byteswap()
+        return out  # type: ignore[return-value]
     if isinstance(data, list):  # strict: a bool or a str is no token id
         try:
             values = msgspec.convert(data, list[float] if kind is Float32Array else list[int])
         except msgspec.ValidationError as exc:  # msgspec adds the field's path to ours
             raise TypeError(str(exc).replace(" - at `$", " at `")) from None
         return kind(values)
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"expected bytes for {kind.__name__}, got {type(data).__name__}")
-    out = kind()
-    out.frombytes(data)  # ValueError when not a whole number of items
-    if _BIG_ENDIAN:
-        out.byteswap()
-    return out
+    raise TypeError(f"expected bytes for {kind.__name__}, got {type(data).__name__}")
 
 
 def _convert(kind: type[PackedArray], name: str, values: Any, uid: str) -> PackedArray:
