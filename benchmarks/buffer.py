@@ -21,8 +21,12 @@ builds ``--groups`` identical-size groups once, then measures on the same server
 It also prints the ceiling the goal can reach here: raw pipelined plus one decode per group,
 against raw pipelined.
 
+Every row is measured once per round (``--rounds``, default 3), the rounds interleaved; the table
+gives each row's median, the ratio is the median of the rounds' ratios (each round against its
+own baseline: these machines are noisy).
+
 Run: ``.venv/bin/python benchmarks/buffer.py [--groups 2000 --n 4 --response-len 128 --batch 16
---inflight 8]``
+--inflight 8 --rounds 3]``
 
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 (redis_buffer_vs_raw_pipelined: the ``RedisBuffer`` row; ``streamrl.testing.result_line``).
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -86,7 +91,8 @@ async def replica_puts(buf: RedisBuffer, groups: list[Group], inflight: int) -> 
     holder = "replica-0.0"
     claimed = outstanding = 0
     errors: list[BaseException] = []
-    freed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    freed = loop.create_future()  # a future, not an Event: waiting on it makes no task
 
     def done(put: asyncio.Future[bool]) -> None:
         nonlocal claimed, outstanding
@@ -95,12 +101,14 @@ async def replica_puts(buf: RedisBuffer, groups: list[Group], inflight: int) -> 
             errors.append(put.exception())
         elif put.result():
             claimed += 1
-        freed.set()
+        if not freed.done():
+            freed.set_result(None)
 
     async def wait_below(limit: int) -> None:
+        nonlocal freed
         while outstanding > limit:
-            freed.clear()
-            await asyncio.wait_for(freed.wait(), 60)  # a put lost for a minute: fail loudly
+            freed = loop.create_future()
+            await asyncio.wait_for(freed, 60)  # a put lost for a minute: fail loudly
         if errors:
             raise errors[0]
 
@@ -187,34 +195,44 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="groups per take (B)")
     parser.add_argument("--inflight", type=int, default=RolloutConfig().max_inflight_groups,
                         help="groups in flight in the replica (rollout.max_inflight_groups)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="each row measured once per round, rounds interleaved")
     args = parser.parse_args()
 
     groups = make_groups(args.groups, args.n, args.prompt_len, args.response_len)
     blobs = [encode(g) for g in groups]
     decode_s = timed(lambda: all(decode(b, Group) for b in blobs))  # one at a time, as take
     size = sum(map(len, blobs)) / len(blobs)
+    rows: dict[str, Callable[[str], tuple[float, float]]] = {
+        "RedisBuffer": lambda url: bench_buffer(url, groups, args.batch, args.inflight),
+        "RedisBuffer sync": lambda url: bench_buffer(url, groups, args.batch, None),
+        "raw pipelined": lambda url: bench_raw(url, blobs, args.batch, pipelined=True),
+        "raw unpipelined": lambda url: bench_raw(url, blobs, args.batch, pipelined=False),
+    }
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
     with redis_server() as url:
-        results = {
-            "RedisBuffer": bench_buffer(url, groups, args.batch, args.inflight),
-            "RedisBuffer sync": bench_buffer(url, groups, args.batch, None),
-            "raw pipelined": bench_raw(url, blobs, args.batch, pipelined=True),
-            "raw unpipelined": bench_raw(url, blobs, args.batch, pipelined=False),
-        }
+        for _ in range(args.rounds):  # interleaved: a noisy spell hits every row alike
+            for name, bench in rows.items():
+                results[name].append(bench(url))
     print(f"{args.groups} groups x {size / 1024:.1f} KiB (n={args.n}, "
           f"response_len={args.response_len}), take batch B={args.batch}, "
-          f"{args.inflight} groups in flight; "
+          f"{args.inflight} groups in flight, median of {args.rounds} rounds; "
           f"msgspec decode alone: {args.groups / decode_s:,.0f} groups/s")
     print(f"{'':<18}{'put/s':>10}{'take/s':>10}{'put+take/s':>12}{'MiB/s':>8}")
-    for name, (put_s, take_s) in results.items():
-        total = put_s + take_s
+    for name, runs in results.items():
+        put_s, take_s = (statistics.median(r[i] for r in runs) for i in (0, 1))
+        total = statistics.median(sum(r) for r in runs)
         mib = args.groups * size / total / 2**20
         print(f"{name:<18}{args.groups / put_s:>10,.0f}{args.groups / take_s:>10,.0f}"
               f"{args.groups / total:>12,.0f}{mib:>8.1f}")
-    ours = sum(results["RedisBuffer"])
-    ratios = {base: sum(results[base]) / ours for base in ("raw pipelined", "raw unpipelined")}
-    for base, ratio in ratios.items():
-        print(f"ratio RedisBuffer / {base} put+take throughput: {ratio:.2f}")
-    raw = sum(results["raw pipelined"])
+    ours = [sum(r) for r in results["RedisBuffer"]]
+    ratios = {}
+    for base in ("raw pipelined", "raw unpipelined"):  # each round against its own baseline
+        per_round = [sum(r) / o for r, o in zip(results[base], ours)]
+        ratios[base] = statistics.median(per_round)
+        print(f"ratio RedisBuffer / {base} put+take throughput: {ratios[base]:.2f} (rounds: "
+              + ", ".join(f"{x:.2f}" for x in per_round) + ")")
+    raw = statistics.median(sum(r) for r in results["raw pipelined"])
     print(f"ceiling (raw pipelined + one decode per group) / raw pipelined: "
           f"{raw / (raw + decode_s):.2f}")
     ratio = ratios["raw pipelined"]  # the goal of the performance issue (16)

@@ -177,9 +177,13 @@ class Trajectory(msgspec.Struct, kw_only=True):
     @property
     def min_version(self) -> int | None:
         """Oldest policy version that contributed a token, or None if no token was sampled."""
+        versions = self.versions
         if b"\x00" not in bytes(self.loss_mask):  # all policy tokens (common): no filtering
-            return min(self.versions, default=None)
-        return min(compress(self.versions, self.loss_mask), default=None)
+            packed = versions.tobytes()
+            if packed and packed == packed[:versions.itemsize] * len(versions):
+                return versions[0]  # one version throughout (common): a memcmp, not a loop
+            return min(versions, default=None)
+        return min(compress(versions, self.loss_mask), default=None)
 
     @property
     def num_policy_tokens(self) -> int:

@@ -97,6 +97,14 @@ def test_multi_turn_versions_ignore_observation_tokens() -> None:
     assert t_old_obs.min_version == 7
 
 
+def test_min_version_of_a_response_sampled_across_weight_swaps() -> None:
+    # all policy tokens: one version throughout is the fast path, mixed ones are not
+    assert traj("one", versions=[5, 5, 5]).min_version == 5
+    assert traj("swapped", versions=[5, 5, 6]).min_version == 5
+    assert traj("late", versions=[6, 6, 5]).min_version == 5
+    assert traj("wide", versions=[257, 1, 257]).min_version == 1
+
+
 def test_group_min_version_and_staleness() -> None:
     only_obs = traj("o", n=2, loss_mask=[0, 0], versions=[OBSERVATION_VERSION] * 2)
     assert only_obs.min_version is None

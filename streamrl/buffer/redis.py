@@ -370,7 +370,7 @@ class RedisBuffer(ReplayBuffer):
     @_outage_is_fatal
     def put_and_admit(self, group: Group, holder: str = "") -> bool:
         reply = self._put(keys=self._put_keys, args=self._put_args(group, holder, admit_next=True))
-        return bool(int(reply[1]))
+        return reply[1:2] == b"1"
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
         return self._submit(self._put, self._put_args(group, holder, admit_next=True))
@@ -442,8 +442,9 @@ class RedisBuffer(ReplayBuffer):
                 continue
             if isinstance(reply, Exception):
                 call.future.set_exception(reply)
-            elif script is self._put:  # two numbers per group: put, admitted
-                call.future.set_result(bool(int(reply[2 * i + 1])) if call.args[5] else None)
+            elif script is self._put:  # two characters per group: put, admitted
+                call.future.set_result(reply[2 * i + 1:2 * i + 2] == b"1" if call.args[5]
+                                       else None)
             else:
                 call.future.set_result(bool(reply) if script is self._admit else None)
 

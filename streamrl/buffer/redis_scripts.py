@@ -123,8 +123,9 @@ return n
 # group; the sets, the minv hash and the counters are written once per batch.
 # KEYS: stats ids groups queued holders minv (entry id -> min_version, for TAKE);
 # ARGV: 6 per group: group_id min_version (-1: none) data holder producer ('': none) admit_next.
-# Returns 2 per group: put (1, or 0 when group_id was put before: put is idempotent) and
-# admitted (1 when admit_next claimed a slot, else 0).
+# Returns a string of 2 characters per group: put ('1', or '0' when group_id was put before:
+# put is idempotent) and admitted ('1' when admit_next claimed a slot, else '0'); one bulk
+# string, not an array of 2 per group, because the client parses each array element apart.
 PUT = _HELPERS + """
 local h, holders = KEYS[1], KEYS[5]
 local s = redis.call('HMGET', h, 'learner_version', 'groups_per_step', 'max_staleness',
@@ -175,6 +176,7 @@ for k, gid in ipairs(gids) do
   out[#out + 1] = put
   out[#out + 1] = admitted
 end
+out = table.concat(out)
 if started == started0 and produced == 0 and in_flight == 0 then return out end
 if produced > 0 then
   redis.call('SADD', KEYS[2], unpack(new_gids))
