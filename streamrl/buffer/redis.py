@@ -408,11 +408,11 @@ class RedisBuffer(ReplayBuffer):
                 commands.append((call.script, list(call.args), [call]))
         try:
             for attempt in (1, 2):
-                pipe = client.pipeline(transaction=False)
+                packed = []
                 for script, args, _ in commands:
                     keys = self._put_keys if script is self._put else self._admit_keys
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                replies = await pipe.execute(raise_on_error=False)
+                    packed.append(("EVALSHA", script.sha, len(keys), *keys, *args))
+                replies = await _exchange(client, packed)
                 lost = []  # scripts Redis no longer knows (it restarted): not run; load, resend
                 for command, reply in zip(commands, replies):
                     if isinstance(reply, redis.exceptions.NoScriptError) and attempt == 1:
@@ -732,6 +732,33 @@ class RedisBuffer(ReplayBuffer):
             writer = self._writers.pop(asyncio.get_running_loop(), None)
         if writer is not None:
             await writer.aclose(self.outage_s + CONNECT_TIMEOUT_S)
+
+
+async def _exchange(client: redis.asyncio.Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Send ``commands`` in one round trip on one of ``client``'s connections; each one's reply,
+    or its error reply as an exception. What ``Pipeline.execute`` does, less its bookkeeping
+    (command stack, observability hooks, reset), which cost a replica's writer more than the
+    round trip's own packing: retried through an outage like any command of ``client``."""
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+
+    async def once() -> list[Any]:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(await conn.read_response())
+            except redis.ResponseError as exc:
+                replies.append(exc)
+        return replies
+
+    async def reconnect(error: Exception) -> None:
+        await conn.disconnect()
+
+    try:
+        return await conn.retry.call_with_retry(once, reconnect)
+    finally:
+        await pool.release(conn)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
