@@ -21,12 +21,12 @@ builds ``--groups`` identical-size groups once, then measures on the same server
 It also prints the ceiling the goal can reach here: raw pipelined plus one decode per group,
 against raw pipelined.
 
-Every row is measured once per round (``--rounds``, default 3), the rounds interleaved; the table
+Every row is measured once per round (``--rounds``, default 5), the rounds interleaved; the table
 gives each row's median, the ratio is the median of the rounds' ratios (each round against its
 own baseline: these machines are noisy).
 
 Run: ``.venv/bin/python benchmarks/buffer.py [--groups 2000 --n 4 --response-len 128 --batch 16
---inflight 8 --rounds 3]``
+--inflight 8 --rounds 5]``
 
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 (redis_buffer_vs_raw_pipelined: the ``RedisBuffer`` row; ``streamrl.testing.result_line``).
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="groups per take (B)")
     parser.add_argument("--inflight", type=int, default=RolloutConfig().max_inflight_groups,
                         help="groups in flight in the replica (rollout.max_inflight_groups)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="each row measured once per round, rounds interleaved")
     args = parser.parse_args()
 
