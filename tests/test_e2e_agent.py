@@ -20,11 +20,11 @@ from streamrl.controller import run_training
 pytestmark = pytest.mark.slow
 
 # Measured at 45 steps: observation-turn reward over the last 10 steps 0.87 (sync), 0.78
-# (one_step_off) against a cross reward of 0.10; the rise starts around step 15. fully_async
-# learns more slowly the staler its data (eta=2: 0.51 vs 0.18 at 40 steps alone on the machine,
-# 0.22 vs 0.17 at 45 steps beside another vLLM run), so it runs with eta=1 here; the single-turn
-# end-to-end test covers eta=2.
-STEPS = 50
+# (one_step_off) against a cross reward of 0.10; the rise starts around step 15, so sync runs 40
+# steps (the suite's longest test). fully_async learns more slowly the staler its data (eta=2:
+# 0.51 vs 0.18 at 40 steps alone on the machine, 0.22 vs 0.17 at 45 steps beside another vLLM
+# run), so it runs with eta=1 and 50 steps here; the single-turn end-to-end test covers eta=2.
+STEPS = {"sync": 40, "one_step_off": 50, "fully_async": 50}
 # Four optimizer steps per batch (mini-batches of 4 groups) for the same compute per step.
 COMMON = ["runtime.num_cpus=2", "trainer.logger=[jsonl]", "actor.optim.lr=3e-3",
           "task.train_batch_size=16", "actor.ppo_mini_batch_size=4",
@@ -45,10 +45,10 @@ def test_agent_learns_to_condition_on_observations(
 ) -> None:
     cfg = load_config([*COMMON, f"model.path={tiny_model_dir}", f"trainer.mode={mode}",
                        *(["buffer.max_staleness=1"] if mode == "fully_async" else []),
-                       f"trainer.total_steps={STEPS}", f"trainer.output_dir={tmp_path}"])
+                       f"trainer.total_steps={STEPS[mode]}", f"trainer.output_dir={tmp_path}"])
     assert cfg.buffer.max_staleness == eta
     history = run_training(cfg).history
-    assert [h["step"] for h in history] == list(range(1, STEPS + 1))
+    assert [h["step"] for h in history] == list(range(1, STEPS[mode] + 1))
     assert all(h["episode/turns"] == 2 for h in history)  # every episode saw an observation
     rewards = [h["reward/mean"] for h in history]
     # Means over the last 10 steps: one step's cross reward is noisy (a few digits dominate).
