@@ -370,7 +370,7 @@ class RedisBuffer(ReplayBuffer):
     @_outage_is_fatal
     def put_and_admit(self, group: Group, holder: str = "") -> bool:
         reply = self._put(keys=self._put_keys, args=self._put_args(group, holder, admit_next=True))
-        return reply[1:2] == b"1"
+        return _admitted(reply, 0)
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
         return self._submit(self._put, self._put_args(group, holder, admit_next=True))
@@ -442,9 +442,8 @@ class RedisBuffer(ReplayBuffer):
                 continue
             if isinstance(reply, Exception):
                 call.future.set_exception(reply)
-            elif script is self._put:  # two characters per group: put, admitted
-                call.future.set_result(reply[2 * i + 1:2 * i + 2] == b"1" if call.args[5]
-                                       else None)
+            elif script is self._put:
+                call.future.set_result(_admitted(reply, i) if call.args[5] else None)
             else:
                 call.future.set_result(bool(reply) if script is self._admit else None)
 
@@ -759,6 +758,12 @@ async def _exchange(client: redis.asyncio.Redis, commands: list[tuple[Any, ...]]
         return await conn.retry.call_with_retry(once, reconnect)
     finally:
         await pool.release(conn)
+
+
+def _admitted(put_reply: bytes, i: int) -> bool:
+    """Whether the ``i``-th group of a PUT call claimed its holder's next slot (the reply holds
+    two characters per group: put, admitted)."""
+    return put_reply[2 * i + 1:2 * i + 2] == b"1"
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
