@@ -83,6 +83,9 @@ CONSUMER_GROUP = "learners"
 _RUN_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
 CONNECT_TIMEOUT_S = 5.0
+# Longest wait for one reply: Redis answers within ms (a busy script makes it answer BUSY after
+# its 5 s lua-time-limit), so a silent socket this long means a stopped or unreachable server.
+READ_TIMEOUT_S = 30.0
 WRITER_PIPELINES = 2  # replica-call pipelines a writer keeps in flight at once
 PUT_BATCH = 256  # most groups one PUT call carries (Lua unpacks their ids at once)
 RETRY_BACKOFF_CAP_S = 1.0
@@ -697,13 +700,13 @@ class RedisBuffer(ReplayBuffer):
         self._seen = b"0-0"
 
     def close(self) -> None:
-        """Send the queued awaitable replica calls (waiting up to ``outage_s`` plus the connect
+        """Send the queued awaitable replica calls (waiting up to ``outage_s`` plus the read
         timeout; calls still unsent then fail, each with an error its caller sees), then
         disconnect. Called on the writer's own loop, it cannot wait: the writer disconnects
         once its queue is sent. The buffer stays usable: a later call reconnects."""
         with self._writers_lock:
             writers, self._writers = list(self._writers.items()), {}
-        timeout_s = self.outage_s + CONNECT_TIMEOUT_S
+        timeout_s = self.outage_s + READ_TIMEOUT_S
         here = _running_loop()
         for loop, writer in writers:
             if loop.is_closed():
@@ -730,7 +733,7 @@ class RedisBuffer(ReplayBuffer):
         with self._writers_lock:
             writer = self._writers.pop(asyncio.get_running_loop(), None)
         if writer is not None:
-            await writer.aclose(self.outage_s + CONNECT_TIMEOUT_S)
+            await writer.aclose(self.outage_s + READ_TIMEOUT_S)
 
 
 async def _exchange(client: redis.asyncio.Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -776,9 +779,11 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
     """A client for ``url`` that has answered a PING: a wrong or unreachable buffer.redis_url
     fails here within ``CONNECT_TIMEOUT_S``, as one ConfigError. Later, every command retries
-    connection failures for about ``outage_s`` (a restarted Redis is reconnected to)."""
+    connection failures and unanswered reads for ``outage_s`` (a restarted Redis is reconnected
+    to; a stopped one stops the run)."""
     try:
-        probe = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S)
+        probe = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                     socket_timeout=CONNECT_TIMEOUT_S)
     except ValueError as exc:
         raise ConfigError(f"buffer.redis_url={url!r}: {exc}, e.g. redis://127.0.0.1:6379/0"
                           ) from exc
@@ -789,28 +794,61 @@ def _connect(url: str, outage_s: float = 60.0) -> redis.Redis:
                           "redis-server, or point buffer.redis_url at one") from exc
     finally:
         probe.close()
-    backoff, retries = _backoff(outage_s)
     return redis.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(backoff, retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=READ_TIMEOUT_S,
+        retry=_RetryFor(outage_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def _connect_async(url: str, outage_s: float) -> redis.asyncio.Redis:
     """The asyncio client of a writer, retrying like ``_connect``'s (the URL was checked)."""
-    backoff, retries = _backoff(outage_s)
     return redis.asyncio.Redis.from_url(
-        url, socket_connect_timeout=CONNECT_TIMEOUT_S, retry=AsyncRetry(backoff, retries),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+        url, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=READ_TIMEOUT_S,
+        retry=_AsyncRetryFor(outage_s), retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
-def _backoff(outage_s: float) -> tuple[ExponentialBackoff, int]:
-    """The backoff, and as many retries as their backoffs take to add up to ``outage_s``."""
-    backoff = ExponentialBackoff(cap=RETRY_BACKOFF_CAP_S, base=0.05)
-    retries, waited = 0, 0.0
-    while waited < outage_s:
-        retries += 1
-        waited += backoff.compute(retries)
-    return backoff, retries
+_BACKOFF = ExponentialBackoff(cap=RETRY_BACKOFF_CAP_S, base=0.05)
+
+
+class _RetryFor(Retry):
+    """Retries a call until ``outage_s`` wall seconds have passed since it started. redis-py
+    counts retries, and an attempt costs anything from a refused connect (at once) to an
+    unanswered read (``READ_TIMEOUT_S``), so no count bounds the time."""
+
+    def __init__(self, outage_s: float) -> None:
+        super().__init__(_BACKOFF, retries=-1)
+        self.outage_s = outage_s
+
+    def call_with_retry(self, do: Callable[[], Any], fail: Callable[..., Any],
+                        is_retryable: Callable[[Exception], bool] | None = None,
+                        with_failure_count: bool = False) -> Any:
+        deadline = time.monotonic() + self.outage_s
+
+        def failed(error: Exception, *count: int) -> None:
+            fail(error, *count)  # redis-py's handler: disconnects, so no stale reply is read
+            if time.monotonic() >= deadline:
+                raise error
+
+        return super().call_with_retry(do, failed, is_retryable, with_failure_count)
+
+
+class _AsyncRetryFor(AsyncRetry):
+    """``_RetryFor`` for the asyncio client."""
+
+    def __init__(self, outage_s: float) -> None:
+        super().__init__(_BACKOFF, retries=-1)
+        self.outage_s = outage_s
+
+    async def call_with_retry(self, do: Callable[[], Awaitable[Any]], fail: Callable[..., Any],
+                              is_retryable: Callable[[Exception], bool] | None = None,
+                              with_failure_count: bool = False) -> Any:
+        deadline = time.monotonic() + self.outage_s
+
+        async def failed(error: Exception, *count: int) -> None:
+            await fail(error, *count)
+            if time.monotonic() >= deadline:
+                raise error
+
+        return await super().call_with_retry(do, failed, is_retryable, with_failure_count)
 
 
 # --- `streamrl buffer stats` -------------------------------------------------------------------

@@ -377,6 +377,45 @@ def test_a_restarted_redis_is_reconnected_and_a_lasting_outage_stops_the_run(
             server.wait()
 
 
+def test_a_redis_that_stops_answering_stops_the_run_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that still accepts connections but answers nothing (stopped, or wedged): the
+    learner's and a replica's calls give up after outage_s with the URL, instead of hanging."""
+    import streamrl.buffer.redis as redis_buffer
+    from streamrl.errors import RunStopped
+
+    monkeypatch.setattr(redis_buffer, "READ_TIMEOUT_S", 1.0)
+    port = free_port()
+    server = _redis_server(port, tmp_path)
+    try:
+        buf = RedisBuffer(f"redis://127.0.0.1:{port}/0", "stopped", 1, 1, outage_s=2)
+        holder = "replica-0.0"
+
+        async def replica_put(group_id: str) -> bool:
+            return await buf.aput_and_admit(make_group(0, group_id), holder)
+
+        loop = asyncio.new_event_loop()
+        assert buf.try_admit(holder)
+        assert loop.run_until_complete(replica_put("g1"))  # 2 slots at V=0: claims the next
+        server.send_signal(signal.SIGSTOP)
+        stopped = rf"redis://127.0.0.1:{port}/0.*buffer.redis_outage_s=2 .*Timeout"
+        for call in (lambda: buf.take(1, 0, timeout=30),
+                     lambda: loop.run_until_complete(replica_put("g2"))):
+            start = time.monotonic()
+            with pytest.raises(RunStopped, match=stopped):
+                call()
+            assert 2 <= time.monotonic() - start < 8  # outage_s, plus at most one read timeout
+        server.send_signal(signal.SIGCONT)
+        assert [g.group_id for g in buf.take(1, 0, timeout=10)] == ["g1"]  # nothing was lost
+        loop.run_until_complete(buf.aclose())
+        loop.close()
+        buf.close()
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
+
+
 @pytest.fixture
 def async_sent(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The round trips the buffer's event-loop writer makes, each the command names it carried
