@@ -33,14 +33,21 @@ from streamrl.buffer import make_buffer
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
-from streamrl.errors import ConfigError
+from streamrl.errors import ConfigError, RunStopped
 from streamrl.logs import CPU_MODE_NOTE
 from streamrl.models import resolve_model_path
 from streamrl.rollout_fleet import load_user_code
 from streamrl.rollout_fleet.rewards import start_reward_servers
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
 from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
-from streamrl.runtime.supervisor import Member, Spawn, Supervisor, holder_name, shut_down
+from streamrl.runtime.supervisor import (
+    START_TIMEOUT_S,
+    Member,
+    Spawn,
+    Supervisor,
+    holder_name,
+    shut_down,
+)
 
 __all__ = ["Fleet", "LearnerGroup", "Runtime", "WeightBus", "build_runtime"]
 
@@ -138,28 +145,11 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
                          rollout_pg: PlacementGroup | None, actors: list[Any]
                          ) -> tuple[LearnerGroup | None, Spawn, Fleet]:
     """Learner ranks (their actors appended to ``actors``) and replicas in actors of their own,
-    joined over the weight bus; the replicas set up and, with learners, connected."""
+    joined over the weight bus; the replicas set up and, with learners, connected. The engines
+    start while the learner ranks do (each side takes seconds of imports and loading)."""
     from streamrl.runtime.actors import LearnerActor, ReplicaActor
 
-    learner_group: LearnerGroup | None = None
-    endpoint: str | None = None
-    if learners:
-        assert train_pg is not None
-        ranks = [
-            ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
-                scheduling_strategy=in_bundle(train_pg, rank),
-            ).remote(cfg, rank, cfg.learner.world_size)
-            for rank in range(cfg.learner.world_size)
-        ]
-        actors.extend(ranks)
-        # The FSDP group rendezvous on rank 0's node, at a port picked there.
-        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
-        ray.get([r.start.remote(master_addr, master_port) for r in ranks])
-        learner_group = LearnerGroup(ranks, skip_prepare=not cfg.prepare_adds_tensors)
-        endpoint = ray.get(ranks[0].bus_endpoint.remote())
-        announce = getattr(buffer, "announce_bus", None)
-        if announce is not None:  # Redis: how a separate streamrl serve finds the bus
-            announce(endpoint)
+    endpoint: str | None = None  # the bus, once the learner is up: a re-created replica joins it
 
     def spawn(index: int, holder: str) -> Any:
         assert rollout_pg is not None
@@ -170,11 +160,42 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
     num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
     fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
                   loops=not serving)
+    learner_group: LearnerGroup | None = None
     try:
-        ray.get([r.setup.remote() for r in fleet.replicas])
+        setups = [r.setup.remote() for r in fleet.replicas]
+        if learners:
+            assert train_pg is not None
+            ranks = [
+                ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
+                    scheduling_strategy=in_bundle(train_pg, rank),
+                ).remote(cfg, rank, cfg.learner.world_size)
+                for rank in range(cfg.learner.world_size)
+            ]
+            actors.extend(ranks)
+            # The FSDP group rendezvous on rank 0's node, at a port picked there.
+            master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+            ray.get([r.start.remote(master_addr, master_port) for r in ranks])
+            learner_group = LearnerGroup(ranks, skip_prepare=not cfg.prepare_adds_tensors)
+            endpoint = ray.get(ranks[0].bus_endpoint.remote())
+            announce = getattr(buffer, "announce_bus", None)
+            if announce is not None:  # Redis: how a separate streamrl serve finds the bus
+                announce(endpoint)
+        _wait_set_up(setups)
         if learner_group is not None and num_replicas:
+            ray.get([r.connect_bus.remote(endpoint) for r in fleet.replicas])
             ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
     except BaseException:
         fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
         raise
     return learner_group, spawn, fleet
+
+
+def _wait_set_up(setups: list[Any]) -> None:
+    """Every replica's ``setup``, or an error naming the first one that did not finish."""
+    if not setups:
+        return
+    done, pending = ray.wait(setups, num_returns=len(setups), timeout=START_TIMEOUT_S)
+    if pending:
+        raise RunStopped(f"replica-{setups.index(pending[0])} did not set up within "
+                         f"{START_TIMEOUT_S:.0f} s (vLLM engine start-up: see its log above)")
+    ray.get(done)
