@@ -1,5 +1,6 @@
 """Reward scorers on hand-written examples, and the process pool's failure handling (real
-worker processes: raising, hanging, NaN-returning and dict-returning custom functions)."""
+worker processes: raising, hanging, NaN-returning and dict-returning custom functions, alone
+and inside a burst of calls that one worker call scores)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import textwrap
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,42 @@ def test_hang_times_out_fast_and_next_call_works(scorer):
         return await asyncio.gather(*(scorer.score("my/ds", "x", "x", {}) for _ in range(4)))
 
     assert asyncio.run(many()) == [1.0] * 4
+
+
+def _burst(scorer, solutions: list[str]) -> list[float]:
+    async def run():
+        return await asyncio.gather(*(scorer.score("my/ds", s, "x", {}) for s in solutions))
+
+    return asyncio.run(run())
+
+
+def test_a_burst_of_calls_is_scored_in_one_worker_call(scorer, monkeypatch):
+    from streamrl.rollout_fleet.rewards import dispatch
+
+    batches: list[int] = []
+    submit = ProcessPoolExecutor.submit
+
+    def counting(self, fn, *args, **kwargs):
+        if fn is dispatch.score_batch_in_worker:
+            batches.append(len(args[1]))
+        return submit(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", counting)
+    assert _burst(scorer, ["x", "y"] * 4) == [1.0, 0.0] * 4
+    assert batches == [8]
+
+
+def test_a_hang_or_a_raise_in_a_burst_scores_only_that_response_zero(scorer):
+    """The batch runs past timeout_s (the hang), so its responses are scored again one per
+    call: the hang times out alone, the raise fails alone, the others keep their scores."""
+    before = scorer.metrics()
+    start = time.monotonic()
+    assert _burst(scorer, ["x", "hang", "raise", "x", "y"]) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert time.monotonic() - start < 4.5  # the batch's timeout_s, then the hang's own
+    after = scorer.metrics()
+    assert after["timeouts"] == before["timeouts"] + 1
+    assert after["failures"] == before["failures"] + 1
+    assert _burst(scorer, ["x"] * 3) == [1.0] * 3  # the hung worker was replaced
 
 
 def test_non_finite_scores_zero_and_is_counted(scorer):

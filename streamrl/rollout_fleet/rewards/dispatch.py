@@ -6,7 +6,7 @@ math-verify, "reasoning_gym/<dataset>" -> that dataset's scorer, "toy/<task>" ->
 any other ``reward.name`` forces one scorer; a custom function (``reward.custom_path``) takes
 precedence under ``auto`` and ``custom``, like verl's ``custom_reward_function``.
 
-``warmup`` and ``score_in_worker`` run inside the worker processes of
+``warmup`` and ``score_batch_in_worker`` run inside the worker processes of
 :class:`~streamrl.rollout_fleet.rewards.pool.RewardScorer`; results come back normalized to
 ``(score, {metric: value})`` of plain floats.
 """
@@ -148,3 +148,17 @@ def score_in_worker(
     score, extras = normalize(compute_score(spec, data_source, solution_str, ground_truth,
                                             extra_info))
     return score, {k: v for k, v in extras.items() if math.isfinite(v)}
+
+
+def score_batch_in_worker(
+    spec: ScorerSpec, items: list[tuple[str, str, str | None, dict[str, Any]]],
+) -> list[tuple[float, dict[str, float]] | str]:
+    """``score_in_worker`` of each (data_source, solution_str, ground_truth, extra_info): its
+    result, or for one that raised, the error as one line (the others still count)."""
+    out: list[tuple[float, dict[str, float]] | str] = []
+    for item in items:
+        try:
+            out.append(score_in_worker(spec, *item))
+        except Exception as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

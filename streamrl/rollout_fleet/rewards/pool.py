@@ -14,10 +14,15 @@ Each kind logs one warning line with the cause the first time, then every
 Design: ``reward.num_workers`` slots, each a one-process ``ProcessPoolExecutor`` (forkserver
 start method where available, else spawn: never fork a process that runs threads and torch).
 A one-process executor per slot is what lets us kill exactly the hung worker and nothing else.
-A call takes an idle slot first, so the timeout measures the function's run time, never time
-spent queueing behind other calls; a fresh worker's start-up and imports (``dispatch.warmup``)
-are likewise not charged to a call. The first workers start in the constructor, so a custom
-reward file that does not load fails there with a clear error instead of scoring everything 0.
+Calls queue; an idle worker takes what is queued (spread over the idle workers, at most
+``MAX_BATCH``) and scores it in one call: a replica's responses finish in bursts, and one
+round trip per response cost the replica's process more than most reward functions do. A batch
+gets ``timeout_s`` as a whole; one that runs past it, or whose worker dies, is scored again one
+response per call, so only a response whose own call runs past ``timeout_s`` (or crashes its
+worker) scores 0. The timeout never counts time spent queueing; a fresh worker's start-up and
+imports (``dispatch.warmup``) are likewise not charged to a call. The first workers start in
+the constructor, so a custom reward file that does not load fails there with a clear error
+instead of scoring everything 0.
 
 Calls may come from any one event loop at a time (the replica's).
 """
@@ -30,10 +35,10 @@ import logging
 import math
 import multiprocessing
 import threading
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, NamedTuple
 
 from streamrl.config import RewardConfig
 from streamrl.rollout_fleet.rewards import dispatch
@@ -43,6 +48,15 @@ logger = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("failures", "timeouts", "non_finite")
 LOG_EVERY = 100
+MAX_BATCH = 64  # most responses one worker call scores
+
+Item = tuple[str, str, str | None, dict[str, Any]]  # data_source, solution, truth, extra_info
+Result = tuple[float, dict[str, float]] | str  # (score, extras), or the failure kind
+
+
+class _Call(NamedTuple):
+    item: Item
+    future: asyncio.Future[Result]
 
 
 class RewardConfigError(ValueError):
@@ -97,8 +111,10 @@ class RewardScorer:
         self._extra_sum: Counter[str] = Counter()
         self._extra_n: Counter[str] = Counter()
         self._idle = [_Worker(self._ctx, self.spec) for _ in range(cfg.num_workers)]
-        self._sem: asyncio.Semaphore | None = None
-        self._sem_loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: deque[_Call] = deque()
+        self._serving: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dispatch_scheduled = False
         self._in_flight = 0
         self._closed = False
         for worker in self._idle:
@@ -126,21 +142,20 @@ class RewardScorer:
         """Like ``score``, plus the extra numeric keys a dict-returning function gave."""
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
+        loop = self._bind(asyncio.get_running_loop())
         with self._lock:
             self._counts["calls"] += 1
-        async with self._semaphore():
-            self._in_flight += 1
-            worker = self._idle.pop()
-            try:
-                worker, result = await self._run(worker, (data_source, solution_str,
-                                                          ground_truth, extra_info))
-            finally:
-                self._in_flight -= 1
-                if self._closed:
-                    worker.kill()
-                else:
-                    self._idle.append(worker)
-        if isinstance(result, str):  # a failure kind and its cause
+        future: asyncio.Future[Result] = loop.create_future()
+        self._waiting.append(_Call((data_source, solution_str, ground_truth, extra_info), future))
+        if not self._dispatch_scheduled:  # after this loop turn: the burst's calls go together
+            self._dispatch_scheduled = True
+            loop.call_soon(self._dispatch)
+        self._in_flight += 1
+        try:
+            result = await future
+        finally:
+            self._in_flight -= 1
+        if isinstance(result, str):  # a failure kind
             return 0.0, {}
         score, extras = result
         if not math.isfinite(score):
@@ -152,45 +167,91 @@ class RewardScorer:
                 self._extra_n[key] += 1
         return score, extras
 
-    async def _run(
-        self, worker: _Worker, args: tuple[Any, ...]
-    ) -> tuple[_Worker, tuple[float, dict[str, float]] | str]:
-        """Run one call on ``worker``; returns the (possibly replaced) worker and the result,
-        or the failure kind as a string."""
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        if self._loop is not loop:
+            if self._in_flight:
+                raise RuntimeError("RewardScorer: called from a second event loop while calls "
+                                   "from another are in flight")
+            self._loop, self._dispatch_scheduled = loop, False
+        return loop
+
+    def _dispatch(self) -> None:
+        """Hand the queued calls to the idle workers, spread evenly, one batch each."""
+        self._dispatch_scheduled = False
+        while self._idle and self._waiting and not self._closed:
+            size = min(MAX_BATCH, -(-len(self._waiting) // len(self._idle)))
+            batch = []
+            while self._waiting and len(batch) < size:
+                call = self._waiting.popleft()
+                if not call.future.done():  # its caller was cancelled while it queued
+                    batch.append(call)
+            if batch:
+                assert self._loop is not None
+                task = self._loop.create_task(self._serve(self._idle.pop(), batch))
+                self._serving.add(task)
+                task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, worker: _Worker, batch: list[_Call]) -> None:
+        try:
+            worker, results = await self._run(worker, [call.item for call in batch])
+            if results is None:  # the batch as a whole failed: one response per call
+                results = []
+                for call in batch:
+                    worker, one = await self._run(worker, [call.item])
+                    assert one is not None
+                    results.extend(one)
+            for call, result in zip(batch, results, strict=True):
+                if not call.future.done():
+                    call.future.set_result(result)
+        except BaseException as exc:  # the loop going away, or a bug: no caller waits forever
+            worker = self._replace(worker)  # its call may still run: never give it another
+            for call in batch:
+                if call.future.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    call.future.cancel()
+                else:
+                    call.future.set_exception(exc)
+            raise
+        finally:
+            if self._closed:
+                worker.kill()
+            else:
+                self._idle.append(worker)
+                self._dispatch()
+
+    async def _run(self, worker: _Worker, items: list[Item]
+                   ) -> tuple[_Worker, list[Result] | None]:
+        """Score ``items`` in one call on ``worker``: the (possibly replaced) worker and each
+        item's result (its failure kind for one that raised). None when a call of several ran
+        past ``timeout_s`` or killed its worker: its items are then scored one by one."""
         try:
             await asyncio.wrap_future(worker.ready)
         except Exception as exc:
-            return self._replace(worker), self._record("failures", f"worker start: {exc!r}")
-        future = worker.executor.submit(dispatch.score_in_worker, self.spec, *args)
+            cause = f"worker start: {exc!r}"
+            return self._replace(worker), [self._record("failures", cause) for _ in items]
+        future = worker.executor.submit(dispatch.score_batch_in_worker, self.spec, items)
+        source = items[0][0]
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.timeout_s)
+            outcomes = await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.timeout_s)
         except asyncio.TimeoutError:
-            return self._replace(worker), self._record(
-                "timeouts", f"{args[0]}: no result after {self.cfg.timeout_s}s, worker replaced")
+            worker = self._replace(worker)
+            return worker, None if len(items) > 1 else [self._record(
+                "timeouts", f"{source}: no result after {self.cfg.timeout_s}s, worker replaced")]
         except BrokenProcessPool as exc:
-            return self._replace(worker), self._record("failures", f"{args[0]}: worker died: "
-                                                                   f"{exc}")
-        except asyncio.CancelledError:
-            if not future.done():  # the caller gave up: do not leave the call running
-                worker = self._replace(worker)
-            raise
-        except Exception as exc:
-            return worker, self._record("failures", f"{args[0]}: {type(exc).__name__}: {exc}")
-        return worker, result
+            worker = self._replace(worker)
+            return worker, None if len(items) > 1 else [
+                self._record("failures", f"{source}: worker died: {exc}")]
+        except Exception as exc:  # e.g. an argument that does not pickle
+            return worker, None if len(items) > 1 else [
+                self._record("failures", f"{source}: {type(exc).__name__}: {exc}")]
+        return worker, [outcome if isinstance(outcome, tuple)
+                        else self._record("failures", f"{item[0]}: {outcome}")
+                        for item, outcome in zip(items, outcomes, strict=True)]
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
         return _Worker(self._ctx, self.spec)
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._sem_loop is not loop:
-            if self._in_flight:
-                raise RuntimeError("RewardScorer: called from a second event loop while calls "
-                                   "from another are in flight")
-            self._sem, self._sem_loop = asyncio.Semaphore(len(self._idle)), loop
-        assert self._sem is not None
-        return self._sem
 
     def _record(self, kind: str, cause: str) -> str:
         with self._lock:
@@ -212,11 +273,20 @@ class RewardScorer:
         return out
 
     def close(self) -> None:
-        """Stop the worker processes (a running call is killed, not waited for)."""
+        """Stop the worker processes (a running call is killed, not waited for); calls still
+        queued fail with an error saying so."""
         self._closed = True
         for worker in self._idle:
             worker.kill()
         self._idle = []
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_waiting)
+
+    def _fail_waiting(self) -> None:
+        while self._waiting:
+            call = self._waiting.popleft()
+            if not call.future.done():
+                call.future.set_exception(RuntimeError("RewardScorer is closed"))
 
     def __enter__(self) -> RewardScorer:
         return self
