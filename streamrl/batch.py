@@ -385,7 +385,8 @@ class Batch:
         predict_mask = torch.zeros(T, dtype=torch.bool, device=ids.device)
         predict_mask[index[valid]] = True
         return PackedBatch(
-            input_ids=flat[None], position_ids=position_ids[None], cu_seqlens=cu, rows=rows,
+            input_ids=flat[None], position_ids=position_ids[None], cu_seqlens=cu,
+            max_seqlen=int(seq_lens.max()), rows=rows,
             targets=targets[None], predict_mask=predict_mask[None], response_token_index=index,
         )
 
@@ -398,8 +399,9 @@ class PackedBatch:
       ``rows`` order; sequence i spans ``cu_seqlens[i]:cu_seqlens[i+1]`` ([n+1] int32).
     - ``position_ids`` [1,T] long: restart at 0 for each sequence. Given ``attention_mask=None``
       and ``use_cache=False``, HF transformers reads the restarts as packed sequences and builds
-      a block-diagonal causal mask (a cache turns that detection off); flash-attention
-      varlen kernels take ``cu_seqlens`` instead.
+      a block-diagonal causal mask (a cache turns that detection off); varlen attention
+      (flash-attention's kernels, ``learner.varlen_attention``) takes ``cu_seqlens`` and
+      ``max_seqlen`` instead: ``attention_kwargs``.
     - ``targets`` [1,T] long: the token after each position in the same sequence (0 at a
       sequence's last position), so ``log_softmax(logits).gather(-1, targets[..., None])`` is the
       log-prob of the next token at every position.
@@ -414,6 +416,7 @@ class PackedBatch:
     input_ids: Tensor
     position_ids: Tensor
     cu_seqlens: Tensor
+    max_seqlen: int
     rows: list[int]
     targets: Tensor
     predict_mask: Tensor
@@ -422,6 +425,12 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
+
+    @property
+    def attention_kwargs(self) -> dict[str, Tensor | int]:
+        """The sequence bounds, as transformers' varlen attention functions read them."""
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
     @property
     def response_valid(self) -> Tensor:
@@ -443,5 +452,6 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return PackedBatch(**{k: v.to(device) if isinstance(v, Tensor) else list(v)
+        return PackedBatch(**{k: v.to(device) if isinstance(v, Tensor)
+                              else list(v) if isinstance(v, list) else v
                               for k, v in moved.items()})

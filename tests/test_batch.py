@@ -320,10 +320,14 @@ def random_groups(seed: int, vocab: int) -> list[Group]:
     return groups
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "streamrl_varlen"])
 def test_packed_log_probs_equal_padded(tiny_model_dir: Path, attn: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    from streamrl.learner import varlen_attention
+
+    varlen = attn == varlen_attention.IMPLEMENTATION
+    varlen_attention.register()
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation=attn,
                                                  dtype=torch.float32).eval()
     vocab = model.config.vocab_size
@@ -340,10 +344,16 @@ def test_packed_log_probs_equal_padded(tiny_model_dir: Path, attn: str) -> None:
         padded = padded.gather(-1, batch["responses"][..., None]).squeeze(-1)
 
         def packed_log_probs(rows: list[int] | None, restart: bool = True,
-                             use_cache: bool = False) -> torch.Tensor:
+                             use_cache: bool = False, merged: bool = False) -> torch.Tensor:
             packed = batch.pack(rows)
             pos = packed.position_ids if restart else torch.arange(packed.num_tokens)[None]
-            out = model(input_ids=packed.input_ids, position_ids=pos, use_cache=use_cache).logits
+            bounds = dict(packed.attention_kwargs) if varlen else {}
+            if merged:  # the first two sequences' bound left out: one sequence to attention
+                cu = torch.cat([packed.cu_seqlens[:1], packed.cu_seqlens[2:]])
+                bounds.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=int(cu.diff().max()), max_length_k=int(cu.diff().max()))
+            out = model(input_ids=packed.input_ids, position_ids=pos, use_cache=use_cache,
+                        **bounds).logits
             lp = torch.log_softmax(out.float(), -1).gather(-1, packed.targets[..., None])
             return packed.unpack_response(lp.squeeze(-1))
 
@@ -354,10 +364,12 @@ def test_packed_log_probs_equal_padded(tiny_model_dir: Path, attn: str) -> None:
         rows = [4, 0, 2]
         sub = packed_log_probs(rows)
         assert (sub - padded[rows])[valid[rows]].abs().max() < 1e-5
-        # controls: without restarting positions, or with a KV cache (transformers then skips
-        # packed-sequence detection), rows attend to each other and the values change
-        for leaky in (packed_log_probs(None, restart=False),
-                      packed_log_probs(None, use_cache=True)):
+        # controls: rows attend to each other, and the values change, when the positions do not
+        # restart or a KV cache is used (transformers then skips packed-sequence detection);
+        # for varlen attention, which goes by the bounds alone, when they merge two sequences
+        controls = ([packed_log_probs(None, merged=True)] if varlen else
+                    [packed_log_probs(None, restart=False), packed_log_probs(None, use_cache=True)])
+        for leaky in controls:
             assert (leaky - padded)[valid].abs().max() > 1e-3
 
 

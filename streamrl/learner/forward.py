@@ -6,8 +6,9 @@ Parts:
 - ``gather_rows``: every rank's rows of a [B, R] result assembled on all ranks.
 
 Two layouts give the same numbers: *packed* (``Batch.pack``: the micro-batch's real tokens in
-one [1, T] row, position_ids restarting per sequence and ``attention_mask=None``, from which
-transformers builds a block-diagonal causal mask, so padding costs no compute) and *padded*
+one [1, T] row, position_ids restarting per sequence and ``attention_mask=None``; the model's
+attention, ``varlen_attention``, keeps each sequence to itself from the bounds it is given, so
+padding costs no compute) and *padded*
 (verl's [n, P+R] rows with an attention mask). Only positions that predict a response token go
 through the LM head (``logits_to_keep``). ``rows=[]`` runs a zero-weight dummy on row 0 so the
 rank still takes part in FSDP's collectives.
@@ -77,7 +78,7 @@ def policy_forward(
         pb, keep = _packed_inputs(mb, device)
         logits = model(
             input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=keep, **pb.attention_kwargs,
         ).logits[0]
         logits = logits / temperature if temperature != 1.0 else logits
         total = pb.num_tokens
@@ -118,7 +119,8 @@ def value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Ten
 def _value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Tensor:
     if mb.packed:
         pb = mb.batch.pack(mb.rows).to(device)
-        out = model(input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False)
+        out = model(input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False,
+                    **pb.attention_kwargs)
         return pb.unpack_response(out.logits[0, :, 0].float())
     width = mb.batch.tensors["responses"].shape[1]
     out = model(

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from streamrl.learner import varlen_attention
 from streamrl.weight_bus.base import HandedOver, NamedTensors
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -130,16 +131,17 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
     return model
 
 
-# fp32 masters everywhere: mixed precision casts per forward, the optimizer keeps fp32. sdpa
-# builds a block-diagonal mask from position_ids restarts when attention_mask is None
-# (transformers.masking_utils.find_packed_sequence_indices), which sequence packing relies on.
-_LOAD_KWARGS: dict[str, object] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+# fp32 masters everywhere: mixed precision casts per forward, the optimizer keeps fp32.
+# Packed micro-batches attend per sequence (varlen_attention); padded ones as with sdpa.
+_LOAD_KWARGS: dict[str, object] = {"dtype": torch.float32,
+                                   "attn_implementation": varlen_attention.IMPLEMENTATION}
 
 
 def load_causal_lm(path: str | os.PathLike[str], device: torch.device) -> nn.Module:
     """An HF causal LM from a local directory, fp32, on ``device``."""
     from transformers import AutoModelForCausalLM
 
+    varlen_attention.register()
     model = AutoModelForCausalLM.from_pretrained(str(path), **_LOAD_KWARGS)
     return model.to(device)
 
@@ -153,6 +155,7 @@ def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.M
     config = AutoConfig.from_pretrained(str(path))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # the head's default dropout (0.1) would make values noisy
+    varlen_attention.register()
     model = AutoModelForTokenClassification.from_pretrained(
         str(path), config=config, **_LOAD_KWARGS
     )

@@ -1,0 +1,67 @@
+"""Attention over a packed row without a [T, T] mask: transformers' ``"streamrl_varlen"``.
+
+A packed micro-batch (``Batch.pack``) is one [1, T] row of n sequences. sdpa attends over it
+with a block-diagonal [T, T] mask, so its cost grows with T², though each token only sees its
+own sequence: 128 sequences of 18 tokens cost 4.5x the forward and backward of the same rows
+padded. Flash-attention's varlen kernels avoid that on GPUs that have them; this does it with
+plain sdpa anywhere: when the call carries ``cu_seq_lens_q`` (the packed sequence bounds,
+``PackedBatch.cu_seqlens``), the row's queries, keys and values are gathered into [n, L]
+blocks (L: the longest sequence), attended with a causal mask per block, and scattered back:
+n·L² instead of T². Any other call (padded rows with their attention mask, one unpacked
+sequence) is sdpa's, with the mask transformers builds for sdpa.
+
+``register()`` adds both to transformers' registries; load a model with
+``attn_implementation=IMPLEMENTATION`` after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IMPLEMENTATION = "streamrl_varlen"
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, varlen_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+
+
+def varlen_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+    attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function contract: query/key/value [B, heads, T, D] in,
+    ([B, T, heads, D], no weights) out."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    total = query.shape[2]
+    lengths = cu_seqlens.diff().to(query.device)
+    width = int(kwargs.get("max_length_q") or lengths.max())
+    positions = torch.arange(width, device=query.device)
+    real = positions[None, :] < lengths[:, None]  # [n, L]: which block slots hold a token
+    index = (cu_seqlens[:-1, None].to(query.device) + positions[None, :]).clamp(max=total - 1)
+
+    def blocks(x: Tensor) -> Tensor:  # [1, h, T, D] -> [n, h, L, D]
+        return x[0][:, index].transpose(0, 1)
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    q, k, v = blocks(query), repeat_kv(blocks(key), groups), repeat_kv(blocks(value), groups)
+    causal = torch.ones(width, width, dtype=torch.bool, device=query.device).tril()
+    # A padding slot's query still sees key 0 of its block, so no row of the mask is empty.
+    mask = causal[None, None] & real[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                         scale=scaling)
+    # [n, h, L, D] -> the real slots in row order, which is the packed order: [1, T, h, D]
+    return out.transpose(1, 2)[real][None], None
