@@ -57,6 +57,7 @@ import functools
 import io
 import logging
 import re
+import signal
 import sys
 import threading
 import time
@@ -867,16 +868,22 @@ def watch_stats(redis_url: str, run: str, interval_s: float) -> int:
     """``print_stats`` every ``interval_s`` seconds, redrawn in place on a terminal, until
     Ctrl-C (0) or the first read that fails (1)."""
     redraw = sys.stdout.isatty()
+    # Ctrl-C ends the loop between frames, never inside a Redis read or a half-written frame.
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: interrupted.append(signum))
     try:
-        while True:
+        while not interrupted:
             frame = io.StringIO()
             code = print_stats(redis_url, run, file=frame)
             if code:
                 return code
             print(("\x1b[H\x1b[2J" if redraw else "") + frame.getvalue(), end="", flush=True)
-            time.sleep(interval_s)
-    except KeyboardInterrupt:
+            deadline = time.monotonic() + interval_s
+            while not interrupted and (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(left, 0.1))
         return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def print_stats(redis_url: str, run: str, file: Any = None) -> int:
