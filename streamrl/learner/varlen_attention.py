@@ -47,11 +47,12 @@ def varlen_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     total = query.shape[2]
-    lengths = cu_seqlens.diff().to(query.device)
+    bounds = cu_seqlens.to(query.device)
+    lengths = bounds.diff()
     width = int(kwargs.get("max_length_q") or lengths.max())
     positions = torch.arange(width, device=query.device)
     real = positions[None, :] < lengths[:, None]  # [n, L]: which block slots hold a token
-    index = (cu_seqlens[:-1, None].to(query.device) + positions[None, :]).clamp(max=total - 1)
+    index = (bounds[:-1, None] + positions[None, :]).clamp(max=total - 1)
 
     def blocks(x: Tensor) -> Tensor:  # [1, h, T, D] -> [n, h, L, D]
         return x[0][:, index].transpose(0, 1)

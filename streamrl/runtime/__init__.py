@@ -180,9 +180,10 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
             announce = getattr(buffer, "announce_bus", None)
             if announce is not None:  # Redis: how a separate streamrl serve finds the bus
                 announce(endpoint)
-        _wait_set_up(setups)
+        _wait_replicas(setups, "set up", "vLLM engine start-up")
         if learner_group is not None and num_replicas:
-            ray.get([r.connect_bus.remote(endpoint) for r in fleet.replicas])
+            _wait_replicas([r.connect_bus.remote(endpoint) for r in fleet.replicas],
+                           "join the weight bus", f"its publisher at {endpoint}")
             ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
     except BaseException:
         fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
@@ -190,12 +191,13 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
     return learner_group, spawn, fleet
 
 
-def _wait_set_up(setups: list[Any]) -> None:
-    """Every replica's ``setup``, or an error naming the first one that did not finish."""
-    if not setups:
+def _wait_replicas(calls: list[Any], what: str, where: str) -> None:
+    """Every replica's call (one per replica, in index order), or an error naming the first
+    replica that did not ``what`` within ``START_TIMEOUT_S`` and ``where`` to look."""
+    if not calls:
         return
-    done, pending = ray.wait(setups, num_returns=len(setups), timeout=START_TIMEOUT_S)
+    done, pending = ray.wait(calls, num_returns=len(calls), timeout=START_TIMEOUT_S)
     if pending:
-        raise RunStopped(f"replica-{setups.index(pending[0])} did not set up within "
-                         f"{START_TIMEOUT_S:.0f} s (vLLM engine start-up: see its log above)")
+        raise RunStopped(f"replica-{calls.index(pending[0])} did not {what} within "
+                         f"{START_TIMEOUT_S:.0f} s ({where}: see its log above)")
     ray.get(done)

@@ -150,8 +150,11 @@ def score_in_worker(
     return score, {k: v for k, v in extras.items() if math.isfinite(v)}
 
 
+Item = tuple[str, str, str | None, dict[str, Any]]  # data_source, solution, truth, extra_info
+
+
 def score_batch_in_worker(
-    spec: ScorerSpec, items: list[tuple[str, str, str | None, dict[str, Any]]],
+    spec: ScorerSpec, items: list[Item],
 ) -> list[tuple[float, dict[str, float]] | str]:
     """``score_in_worker`` of each (data_source, solution_str, ground_truth, extra_info): its
     result, or for one that raised, the error as one line (the others still count)."""

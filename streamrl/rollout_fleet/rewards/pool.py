@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from streamrl.config import RewardConfig
 from streamrl.rollout_fleet.rewards import dispatch
-from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec, die_with_parent
+from streamrl.rollout_fleet.rewards.dispatch import Item, ScorerSpec, die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ FAILURE_KINDS = ("failures", "timeouts", "non_finite")
 LOG_EVERY = 100
 MAX_BATCH = 64  # most responses one worker call scores
 
-Item = tuple[str, str, str | None, dict[str, Any]]  # data_source, solution, truth, extra_info
 Result = tuple[float, dict[str, float]] | str  # (score, extras), or the failure kind
 
 
