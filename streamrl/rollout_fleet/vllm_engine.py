@@ -61,7 +61,6 @@ from streamrl.rollout_fleet.engine import (
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = f"{__name__}.WorkerExtension"
-CLOSE_GRACE_S = 2.0
 
 WeightPayload = list[tuple[str, str, list[int], bytes]]
 """Weights as msgpack-encodable rows: (HF name, torch dtype name, shape, raw bytes)."""
@@ -487,7 +486,9 @@ class VLLMEngine(RolloutEngine):
         if not self._closed:
             self._closed = True
             llm, self._async_llm = self._async_llm, None
-            # The engine core holds no state worth a graceful exit: kill it after a short grace.
-            llm.shutdown(timeout=CLOSE_GRACE_S)
+            # The engine core holds no state worth a graceful exit, and its own teardown (freeing
+            # the profiling KV cache and the dist env) outlasted any grace we gave it (2 s, every
+            # close): SIGTERM and kill its process tree at once.
+            llm.shutdown(timeout=0)
             # Drop the last reference now: AsyncLLM.__del__ fails at interpreter teardown.
             del llm
