@@ -29,12 +29,14 @@ How the contract maps onto vLLM 0.32:
   load in the worker -> reset the prefix cache, preempting running requests so their KV cache
   is recomputed with the new weights -> set the version label -> resume. No token is sampled
   from half-loaded weights, and tokens after the swap are exactly the new policy's.
-* Loading: on CPU only ``model_runner.reload_weights`` takes effect (CPU linears use pre-packed
-  copies; ``load_weights`` silently does nothing, DESIGN.md §11); on GPU the model's own
-  ``load_weights`` is used.
+* Loading: on CPU a plain ``load_weights`` silently does nothing (CPU linears keep only
+  pre-packed copies, DESIGN.md §11): ``cpu_reload.reload_in_place`` loads and re-packs them,
+  and models it does not handle go through vLLM's ``model_runner.reload_weights``. On GPU the
+  model's own ``load_weights`` is used.
 * ``sleep``/``wake_up``: vLLM's sleep mode needs CUDA's memory pool; on CPU both are no-ops.
 
-Dependencies: engine.py (protocol), config.py; vllm is imported here only.
+Dependencies: engine.py (protocol), cpu_reload.py, config.py; vllm is imported here and in
+cpu_reload.py only.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 
 from streamrl.config import RolloutConfig
+from streamrl.rollout_fleet.cpu_reload import reload_in_place
 from streamrl.rollout_fleet.engine import (
     Completion,
     RolloutEngine,
@@ -102,9 +105,13 @@ def load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -
 
     runner = worker.model_runner
     if current_platform.is_cpu():
-        # CPU linears keep pre-packed copies: only a reload re-runs that processing.
-        _quiet_expected_reload_warnings(_tied(runner.model))
-        runner.reload_weights(weights_iterator=iter(weights))
+        # CPU linears keep pre-packed copies: each must be re-packed from its new weights.
+        if reload_in_place(runner.model, weights):
+            runner.reset_encoder_cache()  # what vLLM's reload resets besides the weights
+            runner.reset_mm_cache()
+        else:
+            _quiet_expected_reload_warnings(_tied(runner.model))
+            runner.reload_weights(weights_iterator=iter(weights))
         _retie_lm_head(runner.model)
     else:
         runner.model.load_weights(weights=iter(weights))

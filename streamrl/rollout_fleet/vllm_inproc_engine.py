@@ -11,7 +11,8 @@ How it works:
   step's outputs to the event loop, where ``generate`` awaits them. So a swap is atomic by
   construction: no step runs while weights change.
 - ``load_weights`` runs ``load_into_worker`` in the worker with the caller's iterator (the
-  learner's gathered parameters, one at a time: no second full copy is ever built), then resets
+  learner's gathered parameters, one at a time: on GPU no second full copy is ever built; on
+  CPU the packed linears load through full-size weights, see ``cpu_reload``), then resets
   the prefix cache (running requests recompute their KV with the new weights) and relabels the
   weight version, so per-token version spans stay exact.
 - The engine is built on the engine thread, after the learner joined torch.distributed: vLLM

@@ -14,7 +14,8 @@ same two handles as a disaggregated run.
   gets every core of the bundle.
 - ``publish(version)``: every rank gathers the full parameters one at a time and hands them to
   its own engine through a ``ColocatedPublisher`` whose sink is the replica's update policy
-  (drain / pause / abort): no socket, no collective beyond the FSDP gather, no second full copy.
+  (drain / pause / abort): no socket, no collective beyond the FSDP gather, and on GPU no
+  second full copy.
 - In ``sync`` the engine sleeps before training (vLLM sleep mode frees KV cache and weights on
   GPUs) and, with ``learner.offload``, the learner's state leaves the device while the engine
   generates; both are no-ops on CPU.

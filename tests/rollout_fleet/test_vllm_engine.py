@@ -28,6 +28,32 @@ def worker_embedding_stats(worker) -> list[float]:
     return [*weight.shape, float(weight.double().sum())]
 
 
+def worker_reload_fingerprints(worker, payload, in_place: bool) -> dict[str, dict[str, float]]:
+    """Runs inside the vLLM worker: loads ``payload`` in place (``cpu_reload``) or through
+    vLLM's own reload, then fingerprints what the forward reads: each packed layer's output on
+    fixed inputs, and every other parameter."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    from streamrl.rollout_fleet.cpu_reload import reload_in_place
+    from streamrl.rollout_fleet.vllm_engine import _retie_lm_head, _tensor
+
+    runner = worker.model_runner
+    weights = [(name, _tensor(raw, dtype, shape)) for name, dtype, shape, raw in payload]
+    if in_place:
+        assert reload_in_place(runner.model, weights), "the tiny model got no in-place plan"
+    else:
+        runner.reload_weights(weights_iterator=iter(weights))
+    _retie_lm_head(runner.model)
+    packed, inputs = {}, torch.Generator().manual_seed(0)
+    for name, layer in runner.model.named_modules():
+        if hasattr(layer, "cpu_linear"):
+            k = LAYERWISE_INFO[layer].restore_metadata[0]["weight"].shape[1]
+            x = torch.randn(4, k, generator=inputs)
+            packed[name] = float(layer.cpu_linear(x, layer.weight, None).double().sum())
+    params = {name: float(p.double().sum()) for name, p in runner.model.named_parameters()}
+    return {"packed": packed, "params": params}
+
+
 @pytest.fixture(scope="module", params=["asyncllm", "inproc"])
 def engine(request, tiny_model_dir, loop):
     """Each test runs on both engines (closed after their tests)."""
@@ -227,6 +253,30 @@ def test_collective_rpc_runs_module_functions_in_the_worker(engine, loop, hf_mod
     assert stats[2] == pytest.approx(float(embedding.double().sum()), rel=1e-6, abs=1e-4)
     with pytest.raises(ValueError, match="module-level function"):
         loop.run_until_complete(engine.collective_rpc(lambda worker: 0))
+
+
+def test_in_place_cpu_reload_equals_vllms_own(engine, loop, hf_model, restore):
+    """``cpu_reload`` leaves every packed layer and every weight exactly as vLLM's layer-wise
+    reload of the same weights does, and a second load really replaces each of them."""
+    if not hasattr(engine, "collective_rpc"):
+        pytest.skip("VLLMEngine only: the fingerprints run in its worker")
+    from streamrl.rollout_fleet.vllm_engine import to_payload
+
+    def payload(seed: int):
+        return to_payload(_other_model(hf_model, seed).named_parameters())
+
+    def fingerprints(seed: int, in_place: bool) -> dict[str, dict[str, float]]:
+        (prints,) = loop.run_until_complete(
+            engine.collective_rpc(worker_reload_fingerprints, (payload(seed), in_place)))
+        return prints
+
+    by_vllm = fingerprints(7, in_place=False)
+    other = fingerprints(8, in_place=True)
+    in_place = fingerprints(7, in_place=True)
+    assert {"model.layers.0.self_attn.qkv_proj", "lm_head"} <= set(by_vllm["packed"])
+    assert in_place == by_vllm
+    packed = in_place["packed"]
+    assert all(other["packed"][name] != packed[name] for name in packed), "a layer kept old weights"
 
 
 def test_load_weights_rejects_empty(engine, loop):
