@@ -38,7 +38,10 @@ _PLANS: WeakKeyDictionary[torch.nn.Module, dict[str, torch.nn.Module] | None] = 
 
 def _staging_weight(layer: torch.nn.Module) -> torch.nn.Parameter:
     """A full-size weight for a packed layer, as vLLM created it, with its own loader."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+    )
     from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
@@ -47,10 +50,7 @@ def _staging_weight(layer: torch.nn.Module) -> torch.nn.Parameter:
         weight = materialize_meta_tensor(
             restore_layer_refs(info.restore_metadata[0]["weight"], layer))
     # A layer-wise reload that ran before leaves its counting wrapper on the metadata.
-    loader = weight.weight_loader
-    while loader.__name__ == "online_process_loader":
-        loader = loader.__wrapped__
-    weight.weight_loader = loader
+    weight.weight_loader = _get_original_loader(weight)
     return weight
 
 
