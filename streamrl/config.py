@@ -88,6 +88,15 @@ class OverlongBufferConfig:
 class RolloutConfig:
     backend: str = "vllm"
     """vllm | hf | sglang"""
+    engine_in_process: bool | None = None
+    """vLLM: step the engine on a thread of the replica's process (``LLMEngine``,
+    vllm_inproc_engine.py) instead of in an engine-core process of its own (``AsyncLLM``).
+    None: in process on machines without CUDA where rollout overlaps learning
+    (buffer.max_staleness >= 1): the replica has one core there, and the traffic between two
+    processes (every request and every step's outputs serialised, sent and decoded again)
+    takes it from sampling (docs/speedup.md). Otherwise its own process: in sync the replica's
+    side then runs on the learner's idle core; on GPUs the engine's busy loop keeps a GIL of
+    its own."""
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -535,6 +544,10 @@ def validate(cfg: Config) -> Config:
 
     _check_choice("trainer.mode", cfg.trainer.mode, MODES)
     _check_choice("rollout.backend", cfg.rollout.backend, ("vllm", "hf", "sglang"))
+    if cfg.rollout.engine_in_process and cfg.rollout.backend != "vllm":
+        _fail("rollout.engine_in_process", True,
+              f"only vLLM runs in the replica's process, not rollout.backend="
+              f"{cfg.rollout.backend}: drop the override or use rollout.backend=vllm")
     _check_choice("buffer.backend", cfg.buffer.backend, ("memory", "redis"))
     _check_choice("weight_bus.backend", cfg.weight_bus.backend, ("collective", "colocated"))
     _check_choice("weight_bus.update_policy", cfg.weight_bus.update_policy, UPDATE_POLICIES)

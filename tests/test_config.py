@@ -20,6 +20,7 @@ from streamrl.config import (
     with_mode,
 )
 from streamrl.config_compat import VERL_ALIASES, VERL_VALUES, translate_overrides
+from streamrl.runtime.placement import engine_in_process
 
 
 def test_defaults_compose_and_validate() -> None:
@@ -43,6 +44,21 @@ def test_mode_presets(mode: str, eta: int, policy: str) -> None:
     assert cfg.buffer.max_staleness == eta
     assert cfg.weight_bus.update_policy == policy
     assert with_mode(load_config(), mode) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "in_process"), [
+    ([], None), (["trainer.mode=one_step_off"], None), (["trainer.mode=sync"], False),
+    (["rollout.engine_in_process=false"], False),
+    (["trainer.mode=sync", "rollout.engine_in_process=true"], True),
+    (["rollout.backend=hf"], False),
+])
+def test_replicas_step_vllm_in_process_where_rollout_overlaps_learning(
+        overrides: list[str], in_process: bool | None) -> None:
+    """None: in process exactly on machines without CUDA (docs/speedup.md)."""
+    import torch
+
+    expected = not torch.cuda.is_available() if in_process is None else in_process
+    assert engine_in_process(load_config(overrides)) is expected
 
 
 def test_fully_async_takes_its_bound_and_policy_from_the_user() -> None:
@@ -248,6 +264,8 @@ def test_bad_mode_names_value() -> None:
     ({"trainer.log_level": "loud"}, r"trainer.log_level='loud'"),
     ({"rollout.num_replicas": 0}, r"rollout.num_replicas=0: needs buffer=redis"),
     ({"serve.max_tokens": 0}, r"serve.max_tokens=0: must be > 0"),
+    ({"rollout.backend": "hf", "rollout.engine_in_process": True},
+     r"rollout.engine_in_process=True: only vLLM runs in the replica's process"),
 ])
 def test_validate_names_key_and_value(changes: dict, pattern: str) -> None:
     cfg = replace(Config(), **changes)

@@ -109,7 +109,11 @@ def test_fully_async_learns_across_nodes(tmp_path: Path, tiny_model_dir: Path) -
     for what, address in [*bound.items(), *(("replica weight group", a) for a in replica_binds)]:
         host = address.removeprefix("tcp://").rsplit(":", 1)[0]
         assert host == node_ip and not ipaddress.ip_address(host).is_loopback, (what, address)
-    _assert_learns(result, mode, eta, tmp_path)
+    # Two replicas and the learner share 2 cores: the replica on the learner's core can see its
+    # first in-flight groups overtaken by the other's, which feeds the learner through eta
+    # versions meanwhile (seen in 2 of 6 runs, 4 and 8 groups, all at learner version 3).
+    # Such groups are dropped at take, never trained (their slots come back): allow one batch.
+    _assert_learns(result, mode, eta, tmp_path, max_dropped=cfg.task.train_batch_size)
 
 
 def test_colocated_sync_learns_validates_and_resumes(tmp_path: Path, tiny_model_dir: Path
@@ -133,7 +137,8 @@ def test_colocated_sync_learns_validates_and_resumes(tmp_path: Path, tiny_model_
     assert max(h["rollout/logprob_abs_diff"] for h in resumed.history) < 1e-3
 
 
-def _assert_learns(result: TrainResult, mode: str, eta: int, tmp_path: Path) -> None:
+def _assert_learns(result: TrainResult, mode: str, eta: int, tmp_path: Path,
+                   max_dropped: int = 0) -> None:
     history = result.history
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
     rewards = [h["reward/mean"] for h in history]
@@ -141,7 +146,7 @@ def _assert_learns(result: TrainResult, mode: str, eta: int, tmp_path: Path) -> 
     print(f"{mode}: reward {first:.3f} -> {last:.3f}")
     assert last > first + 0.02 and last > 2 * first, rewards
     assert max(h["staleness/max"] for h in history) <= eta
-    assert history[-1]["buffer/dropped"] == 0
+    assert history[-1]["buffer/dropped"] <= max_dropped
     if mode == "sync":  # on-policy: the engine's log-probs are the learner's own
         assert max(h["rollout/logprob_abs_diff"] for h in history) < 1e-3
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

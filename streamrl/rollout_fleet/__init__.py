@@ -18,9 +18,13 @@ __all__ = ["Completion", "RolloutEngine", "SamplingParams", "load_user_code", "m
 
 
 def make_engine(
-    rollout: RolloutConfig, model_path: str, tokenizer: Any = None, *, version: int = 0
+    rollout: RolloutConfig, model_path: str, tokenizer: Any = None, *, version: int = 0,
+    in_process: bool = False,
 ) -> RolloutEngine:
     """Build the engine ``rollout.backend`` names for the HF model at ``model_path``.
+
+    ``in_process`` (vLLM only): step the engine on a thread of this process instead of an
+    engine-core process (``runtime.placement.engine_in_process`` decides it for a replica).
 
     ``tokenizer`` may be a tokenizer directory (used by vLLM) or a loaded tokenizer (ignored by
     the engines, which load their own from ``model_path``). Building a vLLM engine blocks while
@@ -29,6 +33,13 @@ def make_engine(
     import torch
 
     tokenizer_path = tokenizer if isinstance(tokenizer, str) else None
+    if rollout.backend == "vllm" and in_process:
+        from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
+
+        return InprocVLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path,
+                                version=version)
+    if in_process:
+        raise ValueError(f"rollout.backend={rollout.backend!r}: only vLLM runs in process")
     if rollout.backend == "vllm":
         from streamrl.rollout_fleet.vllm_engine import VLLMEngine
 

@@ -265,7 +265,8 @@ class SampleStream:
     def completion(self, request_id: str) -> Completion:
         versions = _versions_from_spans(self.spans, len(self.token_ids))
         if versions is None:
-            if self.token_ids:
+            # A stream cut before it finished (abort, engine closing) has no spans by design.
+            if self.token_ids and self.finish_reason is not None:
                 logger.warning("%s: vLLM reported no usable version spans; using arrival "
                                "stamps", request_id)
             versions = self.arrival_versions

@@ -24,7 +24,12 @@ from typing import Any
 from streamrl.buffer.base import HeldBuffer, ReplayBuffer
 from streamrl.config import Config
 from streamrl.net import free_port, interface_of, node_host
-from streamrl.runtime.placement import freeze_startup_heap, pin_to_core, pins_cpus
+from streamrl.runtime.placement import (
+    engine_in_process,
+    freeze_startup_heap,
+    pin_to_core,
+    pins_cpus,
+)
 from streamrl.runtime.supervisor import holder_name
 
 log = logging.getLogger(__name__)
@@ -176,7 +181,7 @@ class ReplicaActor:
         if pins_cpus(cfg):
             pin_to_core(cfg.learner.world_size + self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
-        self.engine = self._make_engine()  # its engine process keeps this core
+        self.engine = self._make_engine()  # its engine thread or process keeps this core
         if pins_cpus(cfg) and cfg.buffer.max_staleness == 0:
             # Sync: the learner's cores idle while the replica samples, so its client side
             # (request streams, detokenising, rewards) runs there too: ~15% shorter rollouts.
@@ -201,7 +206,8 @@ class ReplicaActor:
     def _make_engine(self) -> Any:
         from streamrl.rollout_fleet import make_engine
 
-        return make_engine(self.cfg.rollout, self.model_path, self.tokenizer)
+        return make_engine(self.cfg.rollout, self.model_path, self.tokenizer,
+                           in_process=engine_in_process(self.cfg))
 
     async def connect_bus(self, endpoint: str) -> None:
         """Receive weights from the publisher at ``endpoint``, leaving any earlier one (a

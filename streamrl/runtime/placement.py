@@ -8,6 +8,8 @@
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
 - ``pins_cpus(cfg)``, ``pin_to_core(slot, width)``: core pinning (``runtime.pin_cpus``),
+- ``engine_in_process(cfg)``: whether a replica steps vLLM on a thread of its own process
+  (``rollout.engine_in_process``),
 - ``freeze_startup_heap()``: keep what a long-lived process built at start-up out of GC passes.
 
 Depends on config only.
@@ -149,6 +151,18 @@ def pins_cpus(cfg: Config) -> bool:
     import torch
 
     return not torch.cuda.is_available()
+
+
+def engine_in_process(cfg: Config) -> bool:
+    """``rollout.engine_in_process``; unset: on machines without CUDA where rollout overlaps
+    learning (eta >= 1), so the replica's one core samples instead of serialising between two
+    processes."""
+    if cfg.rollout.engine_in_process is not None:
+        return cfg.rollout.engine_in_process
+    import torch
+
+    return (cfg.rollout.backend == "vllm" and cfg.buffer.max_staleness >= 1
+            and not torch.cuda.is_available())
 
 
 def pin_to_core(slot: int, width: int = 1) -> None:
