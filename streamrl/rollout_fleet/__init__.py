@@ -28,7 +28,7 @@ def make_engine(
 
     ``tokenizer`` may be a tokenizer directory (used by vLLM) or a loaded tokenizer (ignored by
     the engines, which load their own from ``model_path``). Building a vLLM engine blocks while
-    its engine-core process starts (tens of seconds on CPU).
+    it starts (its engine-core process, or its thread in process: tens of seconds on CPU).
     """
     import torch
 
