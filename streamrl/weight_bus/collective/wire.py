@@ -131,6 +131,8 @@ def recv_version(group: WeightGroup, plan: BucketPlan | None, *, timeout_s: floa
                  pool: BufferPool) -> Received:
     """Receive one version; ``plan`` is the one this generation got last (None: none yet).
     The data lands in buffers taken from ``pool``."""
+    if plan is not None:
+        return _recv_planned(group, plan, timeout_s=timeout_s, check=check, pool=pool)
     kind, n = _recv_header(group, "version header", timeout_s, check)
     if kind == STREAMED:
         return _recv_streamed(group, timeout_s=timeout_s, check=check, pool=pool)
@@ -138,12 +140,30 @@ def recv_version(group: WeightGroup, plan: BucketPlan | None, *, timeout_s: floa
         blob = torch.empty(n, dtype=torch.uint8, device=group.device)
         _wait(group, group.broadcast(blob), "bucket plan", timeout_s, check)
         plan = decode(blob.cpu().numpy().tobytes(), BucketPlan)
-    elif kind != PLANNED or plan is None:
-        raise WeightBusError(f"weight bus: version header ({kind}, {n}) on generation "
-                             f"{group.generation}, which has no bucket plan")
-    assert plan is not None
+        return _recv_planned(group, plan, timeout_s=timeout_s, check=check, pool=pool,
+                             header_read=True)
+    raise WeightBusError(f"weight bus: version header ({kind}, {n}) on generation "
+                         f"{group.generation}, which has no bucket plan")
+
+
+def _recv_planned(group: WeightGroup, plan: BucketPlan, *, timeout_s: float, check: Check,
+                  pool: BufferPool, header_read: bool = False) -> Received:
+    """Receive a version that follows ``plan``. Every receive is posted at once, the version
+    header's with them: a generation that announced its plan sends only ``PLANNED`` versions
+    (a new plan means a new generation), so waiting for the header first would only leave the
+    sender's first segment waiting for this receiver."""
+    header = torch.empty(2, dtype=torch.int64, device=group.device)
+    p_header = None if header_read else group.broadcast(header)
     buffers = [pool.take(spec.nbytes, group.device) for spec in plan.buckets]
     pending = [group.broadcast(buffers[s.bucket][s.start: s.end]) for s in plan.segments]
+    if p_header is not None:
+        _wait(group, p_header, "version header", timeout_s, check)
+        if int(header[0]) != PLANNED:
+            # The receives posted for the segments no longer match the wire: the generation is
+            # unusable (the caller drops it).
+            raise WeightBusError(f"weight bus: version header {header.tolist()} on generation "
+                                 f"{group.generation}, which announced its bucket plan: only "
+                                 "planned versions may follow")
     for i, p in enumerate(pending):
         _wait(group, p, f"segment {i} of {len(pending)}", timeout_s, check)
     by_bucket = [unpack(spec, data) for spec, data in zip(plan.buckets, buffers, strict=True)]
