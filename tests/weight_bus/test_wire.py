@@ -23,8 +23,22 @@ class _Done(Pending):
         return None
 
 
+class _SizeMismatch(Pending):
+    """What gloo reports when a receive was posted for a message of another size."""
+
+    def __init__(self, posted: int, sent: int) -> None:
+        self.message = f"receive of {posted} bytes matched a broadcast of {sent} bytes"
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> None:
+        raise RuntimeError(self.message)
+
+
 class Loopback:
-    """Both ends of a group: rank 0's broadcasts are recorded, then replayed to a receiver."""
+    """Both ends of a group: rank 0's broadcasts are recorded, then replayed to a receiver in
+    the order its receives are posted, as gloo pairs them."""
 
     device = torch.device("cpu")
     generation = 1
@@ -36,8 +50,11 @@ class Loopback:
     def broadcast(self, tensor: torch.Tensor) -> Pending:
         if self.sending:
             self.wire.append(tensor.clone())
-        else:
-            tensor.copy_(self.wire.popleft())
+            return _Done()
+        sent = self.wire.popleft()
+        if sent.nbytes != tensor.nbytes:
+            return _SizeMismatch(tensor.nbytes, sent.nbytes)
+        tensor.copy_(sent)
         return _Done()
 
     def receive(self, plan: BucketPlan | None):
@@ -84,3 +101,16 @@ def test_a_planned_version_on_a_generation_without_the_plan_fails_clearly() -> N
     _send(group, plan, v1, announce=False)
     with pytest.raises(WeightBusError, match="has no bucket plan"):
         group.receive(None)
+
+
+def test_a_plan_announced_again_on_a_generation_that_holds_it_fails_clearly() -> None:
+    # A receiver holding the plan posts every segment's receive with the header's: a second
+    # PLAN_FOLLOWS on that generation would land the plan's bytes in segment buffers.
+    v1 = make_state(1)
+    buckets = [b.spec for b in BucketPacker(20_000).pack(v1.items())]
+    plan = BucketPlan.build(buckets, list(v1), chunk_bytes=4096)
+    group = Loopback()
+    _send(group, plan, v1, announce=True)
+    group.sending = False
+    with pytest.raises(WeightBusError, match="which announced its bucket plan"):
+        recv_version(group, plan, timeout_s=1, check=lambda: None, pool=BufferPool())
