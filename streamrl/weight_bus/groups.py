@@ -255,9 +255,10 @@ class GlooGroup(WeightGroup):
         super().__init__(spec, store)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         pg_store = dist.PrefixStore("pg/", self.store)
-        self._star = is_loopback(spec.host) or spec.world_size <= 3
+        star = is_loopback(spec.host) or spec.world_size <= 3
         self._tags = itertools.count(1)
-        self._waiter = _Waiter(f"weight-bus-gloo-g{spec.generation}-r{spec.rank}")
+        # None: a tree, gloo's own broadcast
+        self._waiter = _Waiter(f"weight-bus-gloo-g{spec.generation}-r{spec.rank}") if star else None
         if is_loopback(spec.host):  # single node: gloo's default device
             self.pg = dist.ProcessGroupGloo(pg_store, spec.rank, spec.world_size, timeout)
             return
@@ -273,7 +274,7 @@ class GlooGroup(WeightGroup):
         return torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor) -> Pending:
-        if not self._star:
+        if self._waiter is None:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.rootTensor = 0
@@ -286,7 +287,8 @@ class GlooGroup(WeightGroup):
         return self._waiter.add(_PointToPointPending(works))
 
     def close(self) -> None:
-        self._waiter.close()
+        if self._waiter is not None:
+            self._waiter.close()
         super().close()
 
 
