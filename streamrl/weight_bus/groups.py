@@ -123,17 +123,24 @@ class Pending(abc.ABC):
         return self.done()
 
 
-class _GlooPending(Pending):
-    def __init__(self, work: dist.Work) -> None:
-        self.work = work
+class _EventPending(Pending):
+    """Done once ``_event`` is set (by whatever learns of the completion)."""
+
+    def __init__(self) -> None:
         self._event = threading.Event()
-        work.get_future().add_done_callback(lambda _: self._event.set())
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def _wait_slice(self) -> bool:
         return self._event.wait(POLL_S)
+
+
+class _GlooPending(_EventPending):
+    def __init__(self, work: dist.Work) -> None:
+        super().__init__()
+        self.work = work
+        work.get_future().add_done_callback(lambda _: self._event.set())
 
     def result(self) -> None:
         self.work.wait()
@@ -186,12 +193,12 @@ class WeightGroup(abc.ABC):
             _GRAVEYARD.append(self)
 
 
-class _PointToPointPending(Pending):
+class _PointToPointPending(_EventPending):
     """Gloo's send and recv works, completed by the group's ``_Waiter``."""
 
     def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
         self.works = works
-        self._event = threading.Event()
         self._error: Exception | None = None
 
     def complete(self) -> None:
@@ -202,12 +209,6 @@ class _PointToPointPending(Pending):
             self._error = exc
         finally:
             self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def _wait_slice(self) -> bool:
-        return self._event.wait(POLL_S)
 
     def result(self) -> None:
         if self._error is not None:

@@ -93,12 +93,17 @@ def test_a_planned_version_is_one_header_and_its_segments() -> None:
         assert digest(got.tensors) == digest(v2.items())
 
 
-def test_a_planned_version_on_a_generation_without_the_plan_fails_clearly() -> None:
+def _planned_on_wire(announce: bool) -> tuple[BucketPlan, Loopback]:
     v1 = make_state(1)
     buckets = [b.spec for b in BucketPacker(20_000).pack(v1.items())]
     plan = BucketPlan.build(buckets, list(v1), chunk_bytes=4096)
     group = Loopback()
-    _send(group, plan, v1, announce=False)
+    _send(group, plan, v1, announce)
+    return plan, group
+
+
+def test_a_planned_version_on_a_generation_without_the_plan_fails_clearly() -> None:
+    _plan, group = _planned_on_wire(announce=False)
     with pytest.raises(WeightBusError, match="has no bucket plan"):
         group.receive(None)
 
@@ -106,11 +111,7 @@ def test_a_planned_version_on_a_generation_without_the_plan_fails_clearly() -> N
 def test_a_plan_announced_again_on_a_generation_that_holds_it_fails_clearly() -> None:
     # A receiver holding the plan posts every segment's receive with the header's: a second
     # PLAN_FOLLOWS on that generation would land the plan's bytes in segment buffers.
-    v1 = make_state(1)
-    buckets = [b.spec for b in BucketPacker(20_000).pack(v1.items())]
-    plan = BucketPlan.build(buckets, list(v1), chunk_bytes=4096)
-    group = Loopback()
-    _send(group, plan, v1, announce=True)
+    plan, group = _planned_on_wire(announce=True)
     group.sending = False
     with pytest.raises(WeightBusError, match="which announced its bucket plan"):
         recv_version(group, plan, timeout_s=1, check=lambda: None, pool=BufferPool())

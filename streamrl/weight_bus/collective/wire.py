@@ -152,11 +152,11 @@ def _recv_planned(group: WeightGroup, plan: BucketPlan, *, timeout_s: float, che
     header's with them: a generation that announced its plan sends only ``PLANNED`` versions
     (a new plan means a new generation), so waiting for the header first would only leave the
     sender's first segment waiting for this receiver."""
-    header = None if header_read else torch.empty(2, dtype=torch.int64, device=group.device)
-    p_header = None if header is None else group.broadcast(header)
+    header = torch.empty(2, dtype=torch.int64, device=group.device)
+    p_header = None if header_read else group.broadcast(header)
     buffers = [pool.take(spec.nbytes, group.device) for spec in plan.buckets]
     pending = [group.broadcast(buffers[s.bucket][s.start: s.end]) for s in plan.segments]
-    if header is not None and p_header is not None:
+    if p_header is not None:
         _wait(group, p_header, "version header", timeout_s, check)
         if int(header[0]) != PLANNED:
             # The receives posted for the segments no longer match the wire: the generation is
