@@ -34,6 +34,11 @@ How the contract maps onto vLLM 0.32:
   and models it does not handle go through vLLM's ``model_runner.reload_weights``. On GPU the
   model's own ``load_weights`` is used.
 * ``sleep``/``wake_up``: vLLM's sleep mode needs CUDA's memory pool; on CPU both are no-ops.
+* Eager on CPU: ``enforce_eager`` stops vLLM compiling the model, but a few sampler helpers
+  stay ``torch.compile``d (the sampled token's rank in ``gather_logprobs``); on CPU inductor
+  builds them with the C++ compiler on their first call, 2-3 s inside the first step, so
+  ``engine_args`` turns torch.compile off in the process (and, by the environment, in its
+  engine-core child) when the engine runs eager on CPU.
 
 Dependencies: engine.py (protocol), cpu_reload.py, config.py; vllm is imported here and in
 cpu_reload.py only.
@@ -45,6 +50,7 @@ import asyncio
 import copy
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -202,6 +208,8 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
     from huggingface_hub.utils import are_progress_bars_disabled
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    if rollout.enforce_eager and not torch.cuda.is_available():
+        _disable_torch_compile()
     return AsyncEngineArgs(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -218,6 +226,16 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
         # One switch for every loader's bars (streamrl.logs quiets them below debug).
         use_tqdm_on_load=not are_progress_bars_disabled(),
     )
+
+
+def _disable_torch_compile() -> None:
+    """Run every ``torch.compile``d function eagerly, here and in child processes started from
+    now on (the engine core): see "Eager on CPU" in the module docstring. Nothing else in a
+    rollout or hybrid process compiles."""
+    import torch._dynamo
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read when a child imports torch._dynamo
+    torch._dynamo.config.disable = True  # checked at each compiled function's first call
 
 
 def _versions_from_spans(spans: list[Any] | None, num_tokens: int) -> list[int] | None:

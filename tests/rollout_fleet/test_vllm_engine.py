@@ -28,6 +28,13 @@ def worker_embedding_stats(worker) -> list[float]:
     return [*weight.shape, float(weight.double().sum())]
 
 
+def worker_frames_compiled(worker) -> int:
+    """Runs inside the vLLM worker: how many frames torch.compile has compiled in its process."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"]
+
+
 def worker_reload_fingerprints(worker, payload, in_place: bool) -> dict[str, dict[str, float]]:
     """Runs inside the vLLM worker: loads ``payload`` in place (``cpu_reload``) or through
     vLLM's own reload, then fingerprints what the forward reads: each packed layer's output on
@@ -242,6 +249,19 @@ def test_pause_swap_stamps_exact_versions(engine, loop, hf_model, restore):
         assert token == int(logits[version][i].argmax()), f"token {i} (v{version})"
         checked += 1
     assert checked >= 0.9 * len(c.token_ids)
+
+
+def test_eager_engine_on_cpu_compiles_nothing(engine, loop):
+    """vLLM keeps a few sampler helpers torch.compile'd under enforce_eager; on CPU their first
+    call would spend seconds in inductor's C++ build inside the first training step."""
+    for temperature, top_k in ((1.0, -1), (0.7, 20)):  # both samplers, with behaviour logprobs
+        _gen(loop, engine, SamplingParams(n=4, temperature=temperature, top_k=top_k,
+                                          max_tokens=4))
+    if hasattr(engine, "collective_rpc"):
+        (compiled,) = loop.run_until_complete(engine.collective_rpc(worker_frames_compiled))
+    else:  # the in-process engine's worker is this process
+        compiled = worker_frames_compiled(None)
+    assert compiled == 0
 
 
 def test_collective_rpc_runs_module_functions_in_the_worker(engine, loop, hf_model):
