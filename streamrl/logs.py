@@ -26,6 +26,7 @@ KNOWN_NOISE = re.compile("|".join((
     r"The global random seed is set to",
     r"Enforce eager set",
     r"Inductor compilation was disabled",
+    r"TORCH_COMPILE_DISABLE is set",  # ours, on CPU: rollout_fleet.vllm_engine
     r"Triton is not installed",
     r"Triton not available",
     r"Reset SSM cache type",
