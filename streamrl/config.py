@@ -104,8 +104,11 @@ class RolloutConfig:
     max_new_tokens: int = 8
     stop: tuple[str, ...] = ()
     num_replicas: int = 1
-    max_inflight_groups: int = 8
-    """Groups a replica keeps in flight at once so the engine batches continuously."""
+    max_inflight_groups: int = 16
+    """Groups a replica keeps in flight at once so the engine batches continuously. The default
+    is a whole default batch (``task.train_batch_size``): a sync step's batch then samples in
+    one wave, and each engine step spreads its fixed cost over more sequences (on the toy task
+    11-13 % more trajectories/s than 8 in both sync and fully_async, docs/speedup.md)."""
     dtype: str = "float32"
     max_model_len: int = 512
     gpu_memory_utilization: float = 0.5
