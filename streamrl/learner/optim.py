@@ -18,8 +18,10 @@ from streamrl.config import OptimConfig
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
+    # foreach: a handful of multi-tensor ops per step instead of a dozen per parameter, which
+    # torch picks itself only on CUDA (on CPU, 8 % of a small model's update with FSDP2).
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True
     )
 
 
