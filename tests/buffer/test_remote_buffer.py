@@ -7,22 +7,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 
-import pytest
-
 from streamrl.buffer.remote import BufferActor, RemoteBuffer
 from streamrl.testing import make_group
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from streamrl.runtime.placement import WORKER_ENV
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": dict(WORKER_ENV)})
-    yield ray
-    ray.shutdown()
 
 
 class CountingActor(BufferActor):

@@ -228,18 +228,6 @@ def test_judge_asks_through_its_chat_template_and_parses_the_engine_answer(judge
 # -- servers in Ray actors, clients, weights ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    from streamrl.runtime.placement import WORKER_ENV
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": dict(WORKER_ENV)})
-    yield ray
-    ray.shutdown()
-
-
 def test_weighted_kinds_through_shared_actors(ray_local, rm_dir: Path, tiny_model_dir: Path):
     cfg = RewardConfig(
         kind=("rule", "model", "judge"), weights=(1.0, 2.0, 0.5),

@@ -1,7 +1,7 @@
 """Test support shared by every test folder: import it as ``tests.support...``.
 
-- ``fixtures``: the session fixtures (offline tiny model, a real redis-server), registered as a
-  pytest plugin by the root ``conftest.py``.
+- ``fixtures``: the shared fixtures (offline tiny model, a real redis-server, a local Ray),
+  registered as a pytest plugin by the root ``conftest.py``.
 - ``learner``: a small learner config, random batches, and a launcher for spawned FSDP ranks.
 - ``weights``: weight-bus state dicts, digests, and spawned receiver / engine processes.
 - Group/Trajectory factories live in ``streamrl.testing`` (benchmarks use them too).

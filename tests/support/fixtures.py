@@ -1,4 +1,5 @@
-"""Session fixtures: the offline tiny model and a real redis-server on a free port."""
+"""Shared fixtures: the offline tiny model and a real redis-server on a free port (per session),
+a local Ray (per module)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.fail("redis-server is not installed: run scripts/setup.sh")
     with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[object]:
+    """A local Ray of 2 CPUs, its workers in the engines' environment; the ``ray`` module."""
+    import ray
+
+    from streamrl.runtime.placement import WORKER_ENV
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": dict(WORKER_ENV)})
+    yield ray
+    ray.shutdown()
