@@ -13,7 +13,7 @@ position ids. Padded rows (an attention mask) are sdpa's, with the mask transfor
 
 Rows without a padding mask need no [T, T] mask either, so ``varlen_mask`` builds none: from
 the position ids' restarts, transformers would otherwise build the block-diagonal mask that this
-attention never reads (a quarter of a small model's update on CPU).
+attention never reads (15-24 % of a small model's update on CPU).
 
 ``register()`` adds both to transformers' registries; load a model with
 ``attn_implementation=IMPLEMENTATION`` after it. Models that add mask functions of their own
