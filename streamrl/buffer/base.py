@@ -1,8 +1,9 @@
 """The replay-buffer seam and the staleness bound (DESIGN.md §2).
 
 Parts: ``Admission`` (the one named place of the staleness bound, pure arithmetic over the
-learner version), ``BufferStats``, and ``ReplayBuffer`` (the protocol replicas and the
-controller use). Backends: ``memory.MemoryBuffer`` (in-process) and ``redis.RedisBuffer``.
+learner version), ``BufferStats``, ``ReplayBuffer`` (the protocol replicas and the
+controller use), and ``PerLoop`` (the per-event-loop senders of backends that batch a loop's
+calls). Backends: ``memory.MemoryBuffer`` (in-process) and ``redis.RedisBuffer``.
 
 Let B = groups per training step, eta = max staleness, V = learner version. A replica may
 *start* a group only while ``started < (V + eta + 1) * B``: admission control bounds staleness
@@ -32,12 +33,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable
+import threading
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -243,3 +248,35 @@ class HeldBuffer(ReplayBuffer):
 
     def close(self) -> None:
         self.buffer.close()
+
+
+class PerLoop(Generic[T]):
+    """One ``T`` per event loop, made on its first use there (any thread). Loops closed since
+    are dropped then: ``asyncio.run`` per call (tests, scripts) leaves one behind each time."""
+
+    def __init__(self, make: Callable[[asyncio.AbstractEventLoop], T]) -> None:
+        self._make = make
+        self._items: dict[asyncio.AbstractEventLoop, T] = {}
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        """The running loop's ``T``."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            item = self._items.get(loop)
+            if item is None:
+                for old in [old for old in self._items if old.is_closed()]:
+                    del self._items[old]
+                item = self._items[loop] = self._make(loop)
+            return item
+
+    def pop(self) -> T | None:
+        """Forget the running loop's ``T``; it, or None if the loop had none."""
+        with self._lock:
+            return self._items.pop(asyncio.get_running_loop(), None)
+
+    def take_all(self) -> list[tuple[asyncio.AbstractEventLoop, T]]:
+        """Forget every loop's ``T``; them, with their loops."""
+        with self._lock:
+            items, self._items = list(self._items.items()), {}
+        return items

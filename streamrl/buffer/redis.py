@@ -74,7 +74,7 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 import streamrl.buffer.redis_scripts as lua
-from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.buffer.base import Admission, BufferStats, PerLoop, ReplayBuffer
 from streamrl.errors import ConfigError, RunStopped
 from streamrl.types import DecodeError, Group, decode, encode
 
@@ -298,8 +298,7 @@ class RedisBuffer(ReplayBuffer):
         self._admit_keys = [k.stats, k.holders]  # ADMIT, CANCEL, RELEASE
         self._put_keys = [k.stats, k.ids, k.groups, k.queued, k.holders, k.minv]
         # Awaitable replica calls: one writer per event loop, made by its first call.
-        self._writers: dict[asyncio.AbstractEventLoop, _LoopWriter] = {}
-        self._writers_lock = threading.Lock()
+        self._writers: PerLoop[_LoopWriter] = PerLoop(lambda loop: _LoopWriter(self, loop))
         self._closing: set[asyncio.Task[None]] = set()  # writers closing on their own loop
         self._lock = threading.Lock()  # learner-side state below
         self._skip: set[str] = set(skip_ids)
@@ -391,14 +390,7 @@ class RedisBuffer(ReplayBuffer):
     def _submit(self, script: Script, args: list[Any]) -> asyncio.Future[Any]:
         """Queue one script call for this event loop's writer; the call is under way when this
         returns (cancelling the returned future does not withdraw it)."""
-        loop = asyncio.get_running_loop()
-        with self._writers_lock:
-            writer = self._writers.get(loop)
-            if writer is None:
-                for old in [old for old in self._writers if old.is_closed()]:
-                    del self._writers[old]  # (asyncio.run per call: tests, scripts)
-                writer = self._writers[loop] = _LoopWriter(self, loop)
-        return writer.submit(script, args)
+        return self._writers.get().submit(script, args)
 
     async def _send(self, client: redis.asyncio.Redis, calls: list[_Call]) -> None:
         """Send ``calls`` in one pipeline (consecutive puts as one PUT call) and settle each
@@ -706,8 +698,7 @@ class RedisBuffer(ReplayBuffer):
         timeout; calls still unsent then fail, each with an error its caller sees), then
         disconnect. Called on the writer's own loop, it cannot wait: the writer disconnects
         once its queue is sent. The buffer stays usable: a later call reconnects."""
-        with self._writers_lock:
-            writers, self._writers = list(self._writers.items()), {}
+        writers = self._writers.take_all()
         timeout_s = self.outage_s + READ_TIMEOUT_S
         here = _running_loop()
         for loop, writer in writers:
@@ -732,8 +723,7 @@ class RedisBuffer(ReplayBuffer):
         """``close`` for an event loop that made awaitable replica calls, from that loop: waits
         for the calls it queued (without blocking the loop), then disconnects its writer. The
         sync client and other loops' writers are ``close``'s."""
-        with self._writers_lock:
-            writer = self._writers.pop(asyncio.get_running_loop(), None)
+        writer = self._writers.pop()
         if writer is not None:
             await writer.aclose(self.outage_s + READ_TIMEOUT_S)
 

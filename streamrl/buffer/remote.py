@@ -16,13 +16,12 @@ memory.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.buffer.base import BufferStats, ReplayBuffer
+from streamrl.buffer.base import BufferStats, PerLoop, ReplayBuffer
 from streamrl.buffer.memory import MemoryBuffer
 from streamrl.types import Group
 
@@ -65,8 +64,7 @@ class RemoteBuffer(ReplayBuffer):
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
-        self._putters: dict[asyncio.AbstractEventLoop, _Putter] = {}
-        self._putters_lock = threading.Lock()
+        self._putters: PerLoop[_Putter] = PerLoop(lambda loop: _Putter(handle, loop))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"handle": self.handle}  # each process makes its own putters
@@ -91,23 +89,13 @@ class RemoteBuffer(ReplayBuffer):
         ray.get(self.handle.put.remote(group, holder))
 
     def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
-        return self._putter().submit((group, holder, False))
+        return self._putters.get().submit((group, holder, False))
 
     def put_and_admit(self, group: Group, holder: str = "") -> bool:
         return bool(ray.get(self.handle.put_and_admit.remote(group, holder)))
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
-        return self._putter().submit((group, holder, True))
-
-    def _putter(self) -> _Putter:
-        loop = asyncio.get_running_loop()
-        with self._putters_lock:
-            putter = self._putters.get(loop)
-            if putter is None:
-                for old in [old for old in self._putters if old.is_closed()]:
-                    del self._putters[old]  # (asyncio.run per call: tests, scripts)
-                putter = self._putters[loop] = _Putter(self.handle, loop)
-            return putter
+        return self._putters.get().submit((group, holder, True))
 
     def release(self, holder: str) -> int:
         return int(ray.get(self.handle.release.remote(holder)))
@@ -163,7 +151,6 @@ class _Putter:
                         future.set_exception(result)
                     else:
                         future.set_result(result)
-                batch = []
         except BaseException as exc:  # the loop is closing: nobody will send the rest
             for _, future in batch + self.queue:
                 if not future.done():
