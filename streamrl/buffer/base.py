@@ -107,6 +107,19 @@ class ReplayBuffer(abc.ABC):
         did: ~1 group/s, 35 s steps)."""
         return asyncio.to_thread(self.try_admit, holder)
 
+    def admit_up_to(self, n: int, holder: str = "") -> int:
+        """Claim up to ``n`` slots at once (a replica refilling its free slots in one round
+        trip); how many were claimed, 0 when the bound is reached. By default one
+        ``try_admit`` per slot."""
+        claimed = 0
+        while claimed < n and self.try_admit(holder):
+            claimed += 1
+        return claimed
+
+    def aadmit_up_to(self, n: int, holder: str = "") -> Awaitable[int]:
+        """``admit_up_to`` for an event loop (a thread by default, like ``atry_admit``)."""
+        return asyncio.to_thread(self.admit_up_to, n, holder)
+
     @abc.abstractmethod
     def cancel_admission(self, holder: str = "") -> None:
         """Give back a claimed slot whose group will never be put (failed or aborted)."""
@@ -208,6 +221,12 @@ class HeldBuffer(ReplayBuffer):
 
     def atry_admit(self, holder: str = "") -> Awaitable[bool]:
         return self.buffer.atry_admit(holder or self.holder)
+
+    def admit_up_to(self, n: int, holder: str = "") -> int:
+        return self.buffer.admit_up_to(n, holder or self.holder)
+
+    def aadmit_up_to(self, n: int, holder: str = "") -> Awaitable[int]:
+        return self.buffer.aadmit_up_to(n, holder or self.holder)
 
     def cancel_admission(self, holder: str = "") -> None:
         self.buffer.cancel_admission(holder or self.holder)

@@ -5,7 +5,7 @@ arrival order), the admission counters of ``base.Admission``, and the taken-but-
 One ``threading.Condition`` guards all of it: replicas on other threads call ``try_admit`` /
 ``put``; the learner's ``take`` waits on the condition until enough fresh groups are queued.
 
-asyncio: ``try_admit``, ``cancel_admission``, ``put``, ``put_and_admit``, ``ack``,
+asyncio: ``try_admit``, ``admit_up_to``, ``cancel_admission``, ``put``, ``put_and_admit``, ``ack``,
 ``set_version`` and ``stats`` only take the lock briefly and may be called from a coroutine
 directly; ``take`` blocks, so call it as ``await asyncio.to_thread(buffer.take, n, version,
 timeout)``.
@@ -48,14 +48,17 @@ class MemoryBuffer(ReplayBuffer):
 
     # -- replicas -------------------------------------------------------------------------
     def try_admit(self, holder: str = "") -> bool:
+        return self.admit_up_to(1, holder) == 1
+
+    def admit_up_to(self, n: int, holder: str = "") -> int:
         with self._cond:
-            if not self.admission.may_start(self._started, self._version):
-                return False
-            self._started += 1
-            self._in_flight += 1
-            self._held[holder] = self._held.get(holder, 0) + 1
-            self._touch()
-            return True
+            claimed = min(n, self.admission.slots_left(self._started, self._version))
+            if claimed > 0:
+                self._started += claimed
+                self._in_flight += claimed
+                self._held[holder] = self._held.get(holder, 0) + claimed
+                self._touch()
+            return max(0, claimed)
 
     def cancel_admission(self, holder: str = "") -> None:
         with self._cond:

@@ -36,10 +36,11 @@ their id; they never reach, nor crash, the learner. Decoding is msgspec, never p
 Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, which would make
 XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
 
-Round trips (tests/buffer/test_redis_buffer.py counts them): ``try_admit``, ``put``,
-``put_and_admit`` (the put and the next group's admission in one script), ``cancel_admission``,
-``set_version`` and ``ack`` (XACK and trim) are one script each. The awaitable calls a replica
-makes from its event loop (``atry_admit``, ``aput``, ``aput_and_admit``, ``acancel_admission``)
+Round trips (tests/buffer/test_redis_buffer.py counts them): ``try_admit``, ``admit_up_to``
+(n slots in one script), ``put``, ``put_and_admit`` (the put and the next group's admission in
+one script), ``cancel_admission``, ``set_version`` and ``ack`` (XACK and trim) are one script
+each. The awaitable calls a replica makes from its event loop (``atry_admit``,
+``aadmit_up_to``, ``aput``, ``aput_and_admit``, ``acancel_admission``)
 go through that loop's writer (``_LoopWriter``): every call queued while a pipeline is out
 travels in the next one, consecutive puts as one PUT script (one XADD per group inside), so a
 replica with a few groups in flight pays well under one round trip per group; each caller gets
@@ -290,6 +291,7 @@ class RedisBuffer(ReplayBuffer):
         self._r = client if client is not None else _connect(redis_url, outage_s)
         s = self._r.register_script
         self._admit, self._cancel, self._put = s(lua.ADMIT), s(lua.CANCEL), s(lua.PUT)
+        self._admit_many = s(lua.ADMIT)  # the same script: its replies are counts, not flags
         self._release = s(lua.RELEASE)
         self._set_version, self._consume = s(lua.SET_VERSION), s(lua.CONSUME)
         self._take = s(lua.TAKE)
@@ -349,6 +351,13 @@ class RedisBuffer(ReplayBuffer):
 
     def atry_admit(self, holder: str = "") -> Awaitable[bool]:
         return self._submit(self._admit, [holder])
+
+    @_outage_is_fatal
+    def admit_up_to(self, n: int, holder: str = "") -> int:
+        return int(self._admit_many(keys=self._admit_keys, args=[holder, n]))
+
+    def aadmit_up_to(self, n: int, holder: str = "") -> Awaitable[int]:
+        return self._submit(self._admit_many, [holder, n])
 
     @_outage_is_fatal
     def cancel_admission(self, holder: str = "") -> None:
@@ -442,7 +451,8 @@ class RedisBuffer(ReplayBuffer):
             elif script is self._put:
                 call.future.set_result(_admitted(reply, i) if call.args[5] else None)
             else:
-                call.future.set_result(bool(reply) if script is self._admit else None)
+                call.future.set_result(bool(reply) if script is self._admit
+                                       else int(reply) if script is self._admit_many else None)
 
     def _outage(self, exc: Exception) -> RunStopped:
         return RunStopped(f"buffer.redis_url={self._url!r}: Redis unreachable for "

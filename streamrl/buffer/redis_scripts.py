@@ -96,18 +96,19 @@ return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
 """
 
 # The bound, checked and claimed in one step against the learner version read in the same step.
-# KEYS: stats holders; ARGV: holder.
-# Returns 1 with a slot claimed (started, in_flight, the holder's count +1) when
-# started < (V + eta + 1) * B, else 0.
+# KEYS: stats holders; ARGV: holder, [n = 1].
+# Claims min(n, (V + eta + 1) * B - started) slots (started, in_flight and the holder's count
+# rise by as many) and returns how many: 0 when the bound is reached.
 ADMIT = _HELPERS + """
 local h = KEYS[1]
 local v, b, eta = num(h, 'learner_version'), num(h, 'groups_per_step'), num(h, 'max_staleness')
-if num(h, 'started') < (v + eta + 1) * b then
-  redis.call('HINCRBY', h, 'started', 1)
-  redis.call('HINCRBY', h, 'in_flight', 1)
-  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+local n = math.min(tonumber(ARGV[2] or '1'), (v + eta + 1) * b - num(h, 'started'))
+if n > 0 then
+  redis.call('HINCRBY', h, 'started', n)
+  redis.call('HINCRBY', h, 'in_flight', n)
+  redis.call('HINCRBY', KEYS[2], ARGV[1], n)
   touch(h)
-  return 1
+  return n
 end
 return 0
 """

@@ -79,6 +79,12 @@ class RemoteBuffer(ReplayBuffer):
         # The ObjectRef itself, awaited on the caller's loop: no thread per call.
         return self.handle.try_admit.remote(holder)
 
+    def admit_up_to(self, n: int, holder: str = "") -> int:
+        return int(ray.get(self.handle.admit_up_to.remote(n, holder)))
+
+    def aadmit_up_to(self, n: int, holder: str = "") -> Awaitable[int]:
+        return self.handle.admit_up_to.remote(n, holder)
+
     def cancel_admission(self, holder: str = "") -> None:
         ray.get(self.handle.cancel_admission.remote(holder))
 

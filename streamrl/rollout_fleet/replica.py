@@ -5,7 +5,7 @@ The loop, on one asyncio event loop::
     while running:
         wait for a free slot (at most rollout.max_inflight_groups groups in flight, so the
         engine batches continuously) and for no drain in progress
-        a slot a put claimed, or buffer.try_admit()   refused -> back off (the bound, §2)
+        a slot a put claimed, or buffer.admit_up_to(free slots)   none -> back off (the bound, §2)
         hold it while weights the bus received are not loaded yet (``weights_pending``)
         prompt = prompts.next()
         start a group task: sample n -> decode -> score -> Trajectories -> put
@@ -50,7 +50,7 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
   remaining token budget and concatenate. No sampled token is lost; the partial tokens keep
   their versions and log-probs.
 
-The buffer is awaited, never blocked on (``atry_admit``, ``aput_and_admit``, ``aput``,
+The buffer is awaited, never blocked on (``aadmit_up_to``, ``aput_and_admit``, ``aput``,
 ``acancel_admission``), so streaming requests and weight updates go on during its round trips. A
 put or give-back is under way before the first await, and a group settles its admission with
 exactly one of them, so a cancelled group can never be both put and given back. A put also
@@ -244,7 +244,7 @@ class Replica:
         self._started_at = time.monotonic()
         self._progressed_at = time.monotonic()
         self._filtered_streak = 0  # consecutive groups dynamic sampling dropped
-        self._credits = 0  # slots puts claimed for the next groups (put_and_admit), not used yet
+        self._credits = 0  # slots claimed (admit_up_to, put_and_admit) no group has used yet
         self._late: set[asyncio.Future[None]] = set()  # give-backs of slots claimed after stop
         self._busy_since = 0.0  # perf_counter when the engine last went from idle to busy
         self._spans: list[tuple[str, float, float]] | None = [] if trace else None
@@ -306,21 +306,21 @@ class Replica:
             if full or not self._may_start.is_set():
                 await self._changed.wait()
                 continue
-            admitted = self._credits > 0  # a put claimed this slot already (put_and_admit)
-            if admitted:
-                self._credits -= 1
-            else:
-                try:
-                    admitted = await self.buffer.atry_admit()
+            if not self._credits:  # no slot claimed yet (by a put): claim every free one at once
+                try:  # not `_credits += await ...`: puts may add credits during the await
+                    claimed = await self.buffer.aadmit_up_to(
+                        self.rollout.max_inflight_groups - len(self._groups))
+                    self._credits += claimed
                 except Exception:
                     self.counters.loop_errors += 1
-                    logger.exception("%s: buffer.try_admit failed; retrying", self.name)
+                    logger.exception("%s: buffer.admit_up_to failed; retrying", self.name)
                     await self._wait_changed(self.admit_backoff_s * 10)
                     continue
-            if not admitted:
+            if not self._credits:
                 self.counters.admission_refused += 1
                 await self._wait_changed(self.admit_backoff_s)
                 continue
+            self._credits -= 1
             if self.weights_pending():
                 self.counters.held_for_weights += 1
                 while self.weights_pending() and not self._stopping:

@@ -14,7 +14,8 @@ learner that takes B groups per step, acks them and bumps its version. After eve
 - a replica that dies (``release`` of its holder) gives back exactly the slots it held, and a
   late put from it still keeps the accounting exact;
 - a put that also claims the holder's next slot (``put_and_admit``, sync or from an event loop)
-  claims it exactly when ``try_admit`` would have.
+  claims it exactly when ``try_admit`` would have, and ``admit_up_to(n)`` claims exactly as
+  many slots as are left, n at most, all counted under the holder.
 
 The same machine runs against the memory backend and (fewer examples) the Redis backend.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -77,6 +79,16 @@ class BufferMachine(RuleBasedStateMachine):
     def admit(self, lag: int, holder: str) -> None:
         self._admit(lag, holder)
 
+    @rule(n=st.integers(1, 4), lag=st.integers(0, 4), holder=HOLDERS, from_loop=st.booleans())
+    def admit_up_to(self, n: int, lag: int, holder: str, from_loop: bool) -> None:
+        """A replica claims a slot for each of its free ones in one call."""
+        started = self.buf.stats().started
+        claimed = (self._await(lambda: self.buf.aadmit_up_to(n, holder)) if from_loop
+                   else self.buf.admit_up_to(n, holder))
+        assert claimed == min(n, self.adm.slots_left(started, self.version)), (n, started)
+        weights = max(0, self.version - (0 if self.synced else lag))
+        self.in_flight += [(holder, weights)] * claimed
+
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
@@ -113,8 +125,8 @@ class BufferMachine(RuleBasedStateMachine):
             self.buf.put(group, holder)  # a retried put is a no-op
         assert self.buf.stats().produced == before.produced + 1
 
-    def _await(self, call: Callable[[], Awaitable[bool]]) -> bool:
-        async def run() -> bool:
+    def _await(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        async def run() -> Any:
             return await call()
         return self.loop.run_until_complete(run())
 

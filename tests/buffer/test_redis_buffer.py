@@ -107,6 +107,10 @@ def test_round_trips_per_group_and_per_step(
     assert buf.try_admit()
     # per group: admission, then (after sampling) the put: one script each
     assert sent(buf.try_admit) == [["EVALSHA"]]
+    # a replica refilling its free slots: one script for all of them
+    claimed: list[int] = []
+    assert sent(lambda: claimed.append(buf.admit_up_to(3, "r"))) == [["EVALSHA"]]
+    assert claimed == [3] and buf.release("r") == 3
     assert sent(lambda: buf.put(make_group(0, "p0"))) == [["EVALSHA"]]
     buf.put(make_group(0, "p1"))
     # per step: XREADGROUP for the batch and the script counting it in one round trip, one
