@@ -5,7 +5,8 @@ The loop, on one asyncio event loop::
     while running:
         wait for a free slot (at most rollout.max_inflight_groups groups in flight, so the
         engine batches continuously) and for no drain in progress
-        a slot a put claimed, or buffer.admit_up_to(free slots)   none -> back off (the bound, §2)
+        a slot a put claimed, or buffer.admit_up_to(free slots, a replica's share of them)
+                                                       none -> back off (the bound, §2)
         hold it while weights the bus received are not loaded yet (``weights_pending``)
         prompt = prompts.next()
         start a group task: sample n -> decode -> score -> Trajectories -> put
@@ -245,6 +246,9 @@ class Replica:
         self._progressed_at = time.monotonic()
         self._filtered_streak = 0  # consecutive groups dynamic sampling dropped
         self._credits = 0  # slots claimed (admit_up_to, put_and_admit) no group has used yet
+        # Claimed per call at most: replicas that wait together split a new version's slots
+        # instead of the first one taking them all (it claims again at once if they do not).
+        self._share = -(-rollout.max_inflight_groups // max(1, rollout.num_replicas))
         self._late: set[asyncio.Future[None]] = set()  # give-backs of slots claimed after stop
         self._busy_since = 0.0  # perf_counter when the engine last went from idle to busy
         self._spans: list[tuple[str, float, float]] | None = [] if trace else None
@@ -306,10 +310,10 @@ class Replica:
             if full or not self._may_start.is_set():
                 await self._changed.wait()
                 continue
-            if not self._credits:  # no slot claimed yet (by a put): claim every free one at once
+            if not self._credits:  # no slot claimed yet (by a put): claim free ones at once
                 try:  # not `_credits += await ...`: puts may add credits during the await
                     claimed = await self.buffer.aadmit_up_to(
-                        self.rollout.max_inflight_groups - len(self._groups))
+                        min(self.rollout.max_inflight_groups - len(self._groups), self._share))
                     self._credits += claimed
                 except Exception:
                     self.counters.loop_errors += 1

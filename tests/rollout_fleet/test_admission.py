@@ -6,7 +6,9 @@ batched claim late, as the buffer actor or Redis does, so puts settle while it i
 - every slot is used or given back: after stop nothing is in flight and
   ``started == consumed + queued`` (a credit lost in the interleaving stays in flight forever,
   and the bound then admits fewer groups each step until the learner starves);
-- a free slot is claimed for each free in-flight place, in one call per refill.
+- a free slot is claimed for each free in-flight place, in one call per refill, and with
+  several replicas at most their share per call: two replicas waiting for the same version
+  both sample from it.
 """
 
 from __future__ import annotations
@@ -83,3 +85,25 @@ def test_free_slots_are_claimed_in_one_call():
     assert buffer.claims[0] == 8, buffer.claims
     s = buffer.stats()
     assert s.in_flight == 0 and s.started == s.consumed + s.queued, s
+
+
+def test_replicas_waiting_together_split_a_version():
+    buffer = LateAdmissions(groups_per_step=8, max_staleness=0, delay_s=0.0)
+    cfg = RolloutConfig(n=2, max_new_tokens=8, max_inflight_groups=8, num_replicas=2)
+    engines = [ScriptedEngine(), ScriptedEngine()]
+    replicas = [Replica(engine, buffer, scripted_prompts(REWARDS), ListedRewards(),
+                        IdTokenizer(), cfg, admit_backoff_s=0.001) for engine in engines]
+
+    async def one_version() -> None:
+        for replica in replicas:
+            replica.start()
+        try:
+            batch = await asyncio.to_thread(buffer.take, 8, 0, 10)
+            buffer.ack([g.group_id for g in batch])
+        finally:
+            for replica in replicas:
+                await replica.stop()
+
+    asyncio.run(one_version())
+    assert buffer.claims[:2] == [4, 4], buffer.claims  # ceil(8 / 2) each
+    assert [len(engine.answered) for engine in engines] == [4, 4]
