@@ -14,13 +14,18 @@ batched claim late, as the buffer actor or Redis does, so puts settle while it i
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable
 
 from streamrl.buffer.memory import MemoryBuffer
 from streamrl.config import RolloutConfig
 from streamrl.rollout_fleet.replica import Replica
-from tests.support.rollout import IdTokenizer, ListedRewards, ScriptedEngine, scripted_prompts
+from tests.support.rollout import (
+    IdTokenizer,
+    ListedRewards,
+    ScriptedEngine,
+    scripted_prompts,
+    train_steps,
+)
 
 REWARDS = [[0.0, 1.0]] * 8
 
@@ -42,37 +47,16 @@ class LateAdmissions(MemoryBuffer):
         return late()
 
 
-def _run(buffer: LateAdmissions, steps: int, max_inflight: int) -> None:
-    replica = Replica(ScriptedEngine(), buffer, scripted_prompts(REWARDS), ListedRewards(),
-                      IdTokenizer(), RolloutConfig(n=2, max_new_tokens=8,
-                                                   max_inflight_groups=max_inflight),
-                      admit_backoff_s=0.001)
-    b = buffer.admission.groups_per_step
-
-    async def learner() -> None:
-        replica.start()
-        try:
-            for version in range(steps):
-                deadline = time.monotonic() + 10
-                while True:
-                    try:
-                        batch = buffer.take(b, version, timeout=0)
-                        break
-                    except TimeoutError:
-                        assert time.monotonic() < deadline, (version, buffer.stats())
-                        await asyncio.sleep(0.001)
-                buffer.ack([g.group_id for g in batch])
-                await replica.update_weights([], version + 1, "pause")
-                buffer.set_version(version + 1)
-        finally:
-            await replica.stop()
-
-    asyncio.run(learner())
+def _replica(buffer: LateAdmissions, max_inflight: int) -> Replica:
+    return Replica(ScriptedEngine(), buffer, scripted_prompts(REWARDS), ListedRewards(),
+                   IdTokenizer(), RolloutConfig(n=2, max_new_tokens=8,
+                                                max_inflight_groups=max_inflight),
+                   admit_backoff_s=0.001)
 
 
 def test_slots_claimed_by_puts_during_a_batched_claim_are_kept():
     buffer = LateAdmissions(groups_per_step=4, max_staleness=1, delay_s=0.02)
-    _run(buffer, steps=12, max_inflight=8)
+    train_steps(buffer, _replica(buffer, max_inflight=8), steps=12)
     s = buffer.stats()
     assert s.consumed == 12 * 4
     assert s.in_flight == 0 and s.started == s.consumed + s.queued, s
@@ -80,7 +64,7 @@ def test_slots_claimed_by_puts_during_a_batched_claim_are_kept():
 
 def test_free_slots_are_claimed_in_one_call():
     buffer = LateAdmissions(groups_per_step=4, max_staleness=1, delay_s=0.0)
-    _run(buffer, steps=3, max_inflight=8)
+    train_steps(buffer, _replica(buffer, max_inflight=8), steps=3)
     # The first call claims the whole bound, (0 + eta + 1) * B = 8: one per free place.
     assert buffer.claims[0] == 8, buffer.claims
     s = buffer.stats()

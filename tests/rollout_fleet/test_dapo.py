@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +35,7 @@ from tests.support.rollout import (
     ListedRewards,
     ScriptedEngine,
     scripted_prompts,
+    train_steps,
     wait_until,
 )
 
@@ -50,50 +50,10 @@ def _replica(engine: ScriptedEngine, buffer, rewards: list[list[float]], **rollo
                    cfg, admit_backoff_s=0.001)
 
 
-async def _serve_learner(buffer: MemoryBuffer, replica: Replica, steps: int,
-                         timeout: float = 10.0) -> list[list[Group]]:
-    """The controller's loop without training: take ``steps`` batches of B groups, publishing
-    each new version to the replica (drain with eta 0, else pause) and then to the buffer,
-    checking the accounting and the bound at every look."""
-    adm = buffer.admission
-    policy = "drain" if adm.max_staleness == 0 else "pause"
-    batches = []
-    for version in range(steps):
-        deadline = time.monotonic() + timeout
-        while True:
-            s = buffer.stats()
-            assert s.started == s.consumed + s.queued + s.in_flight, s
-            assert s.started <= adm.capacity(version), s
-            try:
-                batch = buffer.take(adm.groups_per_step, version, timeout=0)
-                break
-            except TimeoutError:
-                assert time.monotonic() < deadline, f"learner starved at version {version}: {s}"
-                await asyncio.sleep(0.001)
-        buffer.ack([g.group_id for g in batch])
-        batches.append(batch)
-        await replica.update_weights([], version + 1, policy)
-        buffer.set_version(version + 1)
-    return batches
-
-
 # -- dynamic sampling ---------------------------------------------------------------------------
 
 PATTERNS = [[1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0],
             [0.5, 0.5, 0.5, 0.5], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]]
-
-
-def _train_steps(buffer: MemoryBuffer, replica: Replica, steps: int) -> list[list[Group]]:
-    """Run ``replica`` while ``_serve_learner`` takes ``steps`` batches; returns the batches."""
-
-    async def scenario() -> list[list[Group]]:
-        replica.start()
-        try:
-            return await _serve_learner(buffer, replica, steps)
-        finally:
-            await replica.stop()
-
-    return asyncio.run(scenario())
 
 
 def test_equal_reward_groups_are_filtered_and_give_admission_back():
@@ -101,7 +61,7 @@ def test_equal_reward_groups_are_filtered_and_give_admission_back():
     engine = ScriptedEngine()
     replica = _replica(engine, buffer, PATTERNS, filter_groups=True, max_inflight_groups=2)
 
-    batches = _train_steps(buffer, replica, steps=3)
+    batches = train_steps(buffer, replica, steps=3)
     taken = [g for batch in batches for g in batch]
     assert len(taken) == 6
     assert {g.prompt_index for g in taken} == {1, 4}  # only the informative prompts
@@ -118,7 +78,7 @@ def test_without_filter_groups_equal_reward_groups_are_trained_on():
     buffer = MemoryBuffer(groups_per_step=2, max_staleness=0)
     replica = _replica(ScriptedEngine(), buffer, PATTERNS, max_inflight_groups=2)
 
-    taken = [g for batch in _train_steps(buffer, replica, steps=3) for g in batch]
+    taken = [g for batch in train_steps(buffer, replica, steps=3) for g in batch]
     assert [g.prompt_index for g in taken] == [0, 1, 2, 3, 4, 5]
     assert replica.metrics()["groups_filtered"] == 0
 
@@ -145,7 +105,7 @@ def test_property_no_equal_reward_group_is_taken_and_admission_stays_exact(
     engine = ScriptedEngine()
     replica = _replica(engine, buffer, patterns, filter_groups=True, max_inflight_groups=inflight)
 
-    batches = _train_steps(buffer, replica, steps)
+    batches = train_steps(buffer, replica, steps)
     assert [len(batch) for batch in batches] == [b] * steps
     for batch in batches:
         assert not any(_equal(g.rewards) for g in batch), [g.rewards for g in batch]
@@ -180,7 +140,7 @@ def test_agent_groups_with_equal_rewards_are_filtered(tokenizer):
     replica = Replica(ScriptedEngine(), buffer, stream, ListedRewards(), tokenizer, rollout,
                       admit_backoff_s=0.001)
 
-    taken = [g for batch in _train_steps(buffer, replica, steps=3) for g in batch]
+    taken = [g for batch in train_steps(buffer, replica, steps=3) for g in batch]
     assert [g.prompt_index for g in taken] == [1, 1, 1]
     m = replica.metrics()
     assert m["groups_filtered"] >= 4 and m["episodes"] == 3 * (m["groups"] + m["groups_filtered"])

@@ -1,20 +1,24 @@
-"""Rollout-fleet test support: a list-backed buffer, the toy scorer, a bounded wait, and a
+"""Rollout-fleet test support: a list-backed buffer, the toy scorer, a bounded wait, a
 scripted engine / prompt / scorer trio that runs a Replica without a model (test doubles of the
 engine seam, for replica logic whose outcome must be chosen exactly: rewards, lengths, finish
-reasons)."""
+reasons), and the controller's loop without training over a real MemoryBuffer
+(``serve_learner``, ``train_steps``)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from streamrl.buffer.base import BufferStats, ReplayBuffer
+from streamrl.buffer.memory import MemoryBuffer
 from streamrl.data import ListPromptSource, Prompt, PromptStream
 from streamrl.data.toy import toy_reward
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
+from streamrl.rollout_fleet.replica import Replica
 from streamrl.types import Group
 
 
@@ -150,3 +154,45 @@ class ListedRewards:
     async def score(self, data_source: str, solution_str: str, ground_truth: str | None,
                     extra_info: dict[str, Any]) -> float:
         return float(extra_info["rewards"][int(solution_str.split()[0])])
+
+
+# -- the controller's loop without training -----------------------------------------------
+
+async def serve_learner(buffer: MemoryBuffer, replica: Replica, steps: int,
+                        timeout: float = 10.0) -> list[list[Group]]:
+    """The controller's loop without training: take ``steps`` batches of B groups, publishing
+    each new version to the replica (drain with eta 0, else pause) and then to the buffer,
+    checking the accounting and the bound at every look."""
+    adm = buffer.admission
+    policy = "drain" if adm.max_staleness == 0 else "pause"
+    batches = []
+    for version in range(steps):
+        deadline = time.monotonic() + timeout
+        while True:
+            s = buffer.stats()
+            assert s.started == s.consumed + s.queued + s.in_flight, s
+            assert s.started <= adm.capacity(version), s
+            try:
+                batch = buffer.take(adm.groups_per_step, version, timeout=0)
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, f"learner starved at version {version}: {s}"
+                await asyncio.sleep(0.001)
+        buffer.ack([g.group_id for g in batch])
+        batches.append(batch)
+        await replica.update_weights([], version + 1, policy)
+        buffer.set_version(version + 1)
+    return batches
+
+
+def train_steps(buffer: MemoryBuffer, replica: Replica, steps: int) -> list[list[Group]]:
+    """Run ``replica`` while ``serve_learner`` takes ``steps`` batches; returns the batches."""
+
+    async def scenario() -> list[list[Group]]:
+        replica.start()
+        try:
+            return await serve_learner(buffer, replica, steps)
+        finally:
+            await replica.stop()
+
+    return asyncio.run(scenario())
