@@ -525,21 +525,22 @@ class RedisBuffer(ReplayBuffer):
                                 self.run, len(claimed))
                     return claimed
         k = self.keys
+        take_keys = [k.stats, k.queued, k.taken, k.groups, k.minv]
         args = [CONSUMER_GROUP, self.consumer, self._seen, count, learner_version,
                 self.admission.max_staleness]
-        pipe = self._r.pipeline(transaction=False)  # XREADGROUP, then TAKE counts what it read
-        pipe.xreadgroup(CONSUMER_GROUP, self.consumer, {k.groups: b">"}, count=count)
-        pipe.evalsha(self._take.sha, 5, k.stats, k.queued, k.taken, k.groups, k.minv, *args)
-        reply, ids = pipe.execute(raise_on_error=False)
+        reply, ids = _exchange_now(self._r, [  # XREADGROUP, then TAKE counts what it read
+            ("XREADGROUP", "GROUP", CONSUMER_GROUP, self.consumer, "COUNT", count,
+             "STREAMS", k.groups, ">"),
+            ("EVALSHA", self._take.sha, len(take_keys), *take_keys, *args)])
         if isinstance(reply, Exception):
             raise reply
         if isinstance(ids, redis.exceptions.NoScriptError):  # Redis restarted: load, rerun
-            ids = self._take(keys=[k.stats, k.queued, k.taken, k.groups, k.minv], args=args)
+            ids = self._take(keys=take_keys, args=args)
         elif isinstance(ids, Exception):
             raise ids
         counted = set(ids)
         self._published = max(self._published, learner_version)
-        entries = self._seeing(list(reply[0][1]) if reply else [])
+        entries = self._seeing(_stream_entries(reply))
         if entries:
             return [(eid, f, eid in counted) for eid, f in entries]
         if block_ms is None:
@@ -612,8 +613,18 @@ class RedisBuffer(ReplayBuffer):
                 raise ValueError(f"ack: group ids not taken or already acked: {unknown}")
             eids = [self._outstanding.pop(gid) for gid in group_ids]
             if eids:
-                self._ack(keys=[self.keys.stats, self.keys.taken, self.keys.groups],
-                          args=[CONSUMER_GROUP, int(self.trim_acked), *eids])
+                self._run_now(self._ack, [self.keys.stats, self.keys.taken, self.keys.groups],
+                              [CONSUMER_GROUP, int(self.trim_acked), *eids])
+
+    def _run_now(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """``script(keys, args)`` on the learner's thread, in one round trip without redis-py's
+        command bookkeeping (``_exchange_now``); an error reply is raised."""
+        (reply,) = _exchange_now(self._r, [("EVALSHA", script.sha, len(keys), *keys, *args)])
+        if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted: load, rerun
+            return script(keys=keys, args=args)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     @_outage_is_fatal
     def set_version(self, learner_version: int) -> None:
@@ -765,6 +776,39 @@ async def _exchange(client: redis.asyncio.Redis, commands: list[tuple[Any, ...]]
         return await conn.retry.call_with_retry(once, reconnect)
     finally:
         await pool.release(conn)
+
+
+def _exchange_now(client: redis.Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """``_exchange`` for the learner's blocking calls (take, ack): one round trip on one of
+    ``client``'s connections, each command's raw reply or its error reply as an exception.
+    redis-py's own path (a Pipeline, or a Script call) spends more of a take in its
+    bookkeeping, retries and reply parsing than in the round trip."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+
+    def once() -> list[Any]:
+        conn.send_packed_command([b"".join(map(hiredis.pack_command, commands))])
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as exc:
+                replies.append(exc)
+        return replies
+
+    try:
+        return conn.retry.call_with_retry(once, lambda error, *count: conn.disconnect())
+    finally:
+        pool.release(conn)
+
+
+def _stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    """A raw one-stream XREADGROUP reply (RESP3: a map of stream to entries; RESP2: a list of
+    [stream, entries]) as (entry id, fields) pairs; fields None: the entry was deleted."""
+    if not reply:
+        return []
+    (entries,) = reply.values() if isinstance(reply, dict) else (s[1] for s in reply)
+    return [(eid, None if f is None else dict(zip(f[::2], f[1::2]))) for eid, f in entries]
 
 
 def _admitted(put_reply: bytes, i: int) -> bool:
