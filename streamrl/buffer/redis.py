@@ -534,11 +534,7 @@ class RedisBuffer(ReplayBuffer):
             ("EVALSHA", self._take.sha, len(take_keys), *take_keys, *args)])
         if isinstance(reply, Exception):
             raise reply
-        if isinstance(ids, redis.exceptions.NoScriptError):  # Redis restarted: load, rerun
-            ids = self._take(keys=take_keys, args=args)
-        elif isinstance(ids, Exception):
-            raise ids
-        counted = set(ids)
+        counted = set(_script_result(self._take, take_keys, args, ids))
         self._published = max(self._published, learner_version)
         entries = self._seeing(_stream_entries(reply))
         if entries:
@@ -620,11 +616,7 @@ class RedisBuffer(ReplayBuffer):
         """``script(keys, args)`` on the learner's thread, in one round trip without redis-py's
         command bookkeeping (``_exchange_now``); an error reply is raised."""
         (reply,) = _exchange_now(self._r, [("EVALSHA", script.sha, len(keys), *keys, *args)])
-        if isinstance(reply, redis.exceptions.NoScriptError):  # Redis restarted: load, rerun
-            return script(keys=keys, args=args)
-        if isinstance(reply, Exception):
-            raise reply
-        return reply
+        return _script_result(script, keys, args, reply)
 
     @_outage_is_fatal
     def set_version(self, learner_version: int) -> None:
@@ -800,6 +792,16 @@ def _exchange_now(client: redis.Redis, commands: list[tuple[Any, ...]]) -> list[
         return conn.retry.call_with_retry(once, lambda error, *count: conn.disconnect())
     finally:
         pool.release(conn)
+
+
+def _script_result(script: Script, keys: list[str], args: list[Any], reply: Any) -> Any:
+    """The result of an EVALSHA of ``script`` that returned ``reply`` raw: an error reply is
+    raised; NOSCRIPT (Redis restarted and forgot it) loads the script and runs it again."""
+    if isinstance(reply, redis.exceptions.NoScriptError):
+        return script(keys=keys, args=args)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
 
 
 def _stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
