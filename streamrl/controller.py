@@ -209,7 +209,8 @@ class Controller:
     def _maybe_validate(self, version: int) -> dict[str, float]:
         freq = self.cfg.trainer.test_freq
         if freq and version % freq == 0:
-            return {f"val/{k}": v for k, v in self.rt.fleet.validate().items()}
+            results = self.rt.fleet.validate(self.cfg.trainer.val_timeout_s)
+            return {f"val/{k}": v for k, v in results.items()}
         return {}
 
     def _maybe_checkpoint(self, version: int) -> str | None:

@@ -24,7 +24,8 @@ VAL_SEED_OFFSET = 1_000_003
 def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") -> PromptSource:
     """Load the ``split`` ("train" | "val") prompts of the task ``cfg`` describes.
 
-    A parquet task without ``val_files`` has an empty val source (no validation). A train
+    A parquet task without ``val_files`` has an empty val source (no validation); with them,
+    the first ``task.val_size`` prompts (a validation pass answers each greedily). A train
     source without any usable prompt is an error naming the task and the skip reasons.
     """
     if split not in ("train", "val"):
@@ -40,6 +41,10 @@ def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") ->
             return ListPromptSource([], name="no val_files")
         source: PromptSource = load_parquet_source(
             files, tokenizer, cfg.max_prompt_length, f"task.{split}_files")
+        if not train and len(source) > cfg.val_size:  # validation is bounded (task.val_size)
+            source = ListPromptSource([source[i] for i in range(cfg.val_size)],
+                                      name=f"{source.name}[:{cfg.val_size}]",
+                                      skipped=source.skipped)
     elif cfg.source in ("toy", "reasoning_gym"):
         size = cfg.size if train else cfg.val_size
         seed = cfg.seed if train else cfg.seed + VAL_SEED_OFFSET

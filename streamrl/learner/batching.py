@@ -71,6 +71,9 @@ class MicroBatching:
     """True: micro-batches by token budget (packed); False: fixed number of groups (padded)."""
     max_token_len: int
     micro_groups: int
+    micro_rows: int | None = None
+    """Fixed micro-batches of this many rows on each rank (verl's
+    ppo_micro_batch_size_per_gpu), in place of ``micro_groups`` groups' worth."""
 
 
 def group_minibatches(group_ids: np.ndarray, groups_per_mini: int) -> list[list[int]]:
@@ -129,6 +132,7 @@ def plan_update(
         shards = balanced_partition([lengths[r] for r in mini_rows], world_size, equal_size=True)
         mine = [mini_rows[i] for i in shards[rank]]
         num_groups = len(set(group_ids[mini_rows].tolist()))
-        rows_per_micro = max(1, round(policy.micro_groups * len(mini_rows) / num_groups))
+        rows_per_micro = policy.micro_rows or max(
+            1, round(policy.micro_groups * len(mini_rows) / num_groups))
         plan.append(_micro_split(mine, lengths, policy, rows_per_micro, sync_max))
     return plan

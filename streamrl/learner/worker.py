@@ -72,7 +72,8 @@ class LearnerWorker:
         self.micro_batching = MicroBatching(
             dynamic=cfg.actor.use_dynamic_bsz,
             max_token_len=cfg.actor.ppo_max_token_len,
-            micro_groups=cfg.actor.ppo_micro_batch_size,
+            micro_groups=cfg.micro_batch_groups,
+            micro_rows=cfg.actor.ppo_micro_batch_size_per_gpu,
         )
         actor_model = parallelize(load_causal_lm(self.model_path, self.device), spec)
         self.actor = Actor(actor_model, cfg, self.plan, self.device)
@@ -93,7 +94,7 @@ class LearnerWorker:
         return plan_update(
             batch.non_tensors["index"],
             batch.tensors["attention_mask"].sum(-1).tolist(),
-            groups_per_mini=self.cfg.actor.ppo_mini_batch_size,
+            groups_per_mini=self.cfg.mini_batch_groups,
             policy=self.micro_batching,
             rank=self.rank,
             world_size=self.world_size,

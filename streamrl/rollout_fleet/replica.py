@@ -154,7 +154,14 @@ def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     return SamplingParams(
         n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
         max_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop),
+        stop_token_ids=tuple(rollout.stop_token_ids),
     )
+
+
+def greedy_params(rollout: RolloutConfig) -> SamplingParams:
+    """One greedy answer with the run's stops (validation)."""
+    return SamplingParams(n=1, temperature=0.0, max_tokens=rollout.max_new_tokens,
+                          stop=tuple(rollout.stop), stop_token_ids=tuple(rollout.stop_token_ids))
 
 
 @dataclass

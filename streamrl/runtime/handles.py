@@ -148,12 +148,24 @@ class Fleet:
         if self.loops:
             self._each("stop")
 
-    def validate(self) -> dict[str, float]:
-        for actor in self.replicas:
+    def validate(self, timeout_s: float) -> dict[str, float]:
+        """The first live replica's validation; {} (with a warning naming the replica) when
+        it takes longer than ``timeout_s`` (trainer.val_timeout_s): training goes on."""
+        with self.lock:
+            live = [m for m in self.members if m.live]
+        for member in live:
+            ref = member.actor.validate.remote()
             try:
-                return dict(ray.get(actor.validate.remote()))
+                return dict(ray.get(ref, timeout=timeout_s))
             except RayActorError:
                 continue
+            except ray.exceptions.GetTimeoutError:
+                ray.cancel(ref)
+                log.warning("validation on %s did not finish within "
+                            "trainer.val_timeout_s=%g s: skipped (lower task.val_size or "
+                            "rollout.max_new_tokens, or raise trainer.val_timeout_s)",
+                            member.name, timeout_s)
+                return {}
         return {}
 
     def metrics(self) -> dict[str, float]:

@@ -39,7 +39,7 @@ from ray.util.placement_group import PlacementGroup
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.config import Config, replace
 from streamrl.runtime.actors import LearnerActor, ReplicaActor
-from streamrl.runtime.placement import in_bundle, pin_to_core, pins_cpus
+from streamrl.runtime.placement import gpus_per, in_bundle, pin_to_core, pins_cpus
 from streamrl.runtime.supervisor import holder_name
 
 
@@ -173,7 +173,7 @@ def start_hybrid_workers(cfg: Config, pg: PlacementGroup, buffer: ReplayBuffer,
     world = cfg.learner.world_size
     cpus = cfg.runtime.cpus_per_learner + cfg.runtime.cpus_per_replica
     workers = [
-        ray.remote(num_cpus=cpus)(HybridActor).options(
+        ray.remote(num_cpus=cpus, num_gpus=gpus_per(cfg, "learner"))(HybridActor).options(
             scheduling_strategy=in_bundle(pg, rank), max_concurrency=1024,
         ).remote(cfg, rank, buffer, holder_name(rank, 0), reward_servers)
         for rank in range(world)

@@ -33,11 +33,20 @@ from streamrl.logs import worker_env
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+"""Workers load models from directories (``streamrl.models`` resolves hub ids to their cached
+snapshots in the driver), so the hub mode is the driver's own: ``PASSED_ENV`` travels as set."""
+PASSED_ENV = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN", "STREAMRL_TINY_MODEL",
+              "STREAMRL_SMOLLM2")
+
+
+def worker_env_vars(cfg: Config) -> dict[str, str]:
+    """The environment of every Ray worker of the run."""
+    passed = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    return {**WORKER_ENV, **passed, **worker_env(cfg.trainer.log_level)}
 POOL_READY_TIMEOUT_S = 120
 
 
@@ -53,7 +62,7 @@ def init_ray(cfg: Config) -> bool:
         num_cpus=cfg.runtime.num_cpus if cfg.runtime.address is None else None,
         include_dashboard=False,
         log_to_driver=True,
-        runtime_env={"env_vars": {**WORKER_ENV, **worker_env(cfg.trainer.log_level)}},
+        runtime_env={"env_vars": worker_env_vars(cfg)},
     )
     # Ray's core worker replaces the driver's SIGTERM handler with one that aborts the process
     # (no clean-up, orphans left): keep the caller's (the CLI unwinds and stops every actor).
@@ -102,19 +111,34 @@ def reserve_pools(cfg: Config, *, learners: bool = True
     world = cfg.learner.world_size if learners else 0
     replicas = cfg.rollout.num_replicas
     if rt.placement == "colocated" and world and replicas:
+        # A hybrid worker's learner rank and engine share its device.
         pg = _pool("train_pool", rt.train_pool, max(world, replicas),
-                   rt.cpus_per_learner + rt.cpus_per_replica)
+                   rt.cpus_per_learner + rt.cpus_per_replica, gpus_per(cfg, "learner"))
         return pg, pg
-    train = _pool("train_pool", rt.train_pool, world, rt.cpus_per_learner) if world else None
-    rollout = (_pool("rollout_pool", rt.rollout_pool, replicas, rt.cpus_per_replica)
-               if replicas else None)
+    train = (_pool("train_pool", rt.train_pool, world, rt.cpus_per_learner,
+                   gpus_per(cfg, "learner")) if world else None)
+    rollout = (_pool("rollout_pool", rt.rollout_pool, replicas, rt.cpus_per_replica,
+                     gpus_per(cfg, "replica")) if replicas else None)
     return train, rollout
 
 
-def _pool(name: str, pool: PoolConfig, bundles: int, cpus: float) -> PlacementGroup:
-    """``bundles`` bundles of ``cpus`` laid out by ``pool``; an error naming the pool when the
-    cluster has no room for it (wrong labels, too few nodes for STRICT_SPREAD)."""
-    pg = placement_group([{"CPU": cpus}] * bundles, strategy=pool.strategy,
+def gpus_per(cfg: Config, role: str) -> float:
+    """GPUs one ``role`` ("learner" rank or "replica") reserves in its bundle, and asks for as
+    an actor (so Ray hands each its own device): ``runtime.gpus_per_<role>``, or 1 where the
+    Ray cluster has GPUs, else 0."""
+    chosen = getattr(cfg.runtime, f"gpus_per_{role}")
+    if chosen is not None:
+        return float(chosen)
+    return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+def _pool(name: str, pool: PoolConfig, bundles: int, cpus: float, gpus: float = 0.0
+          ) -> PlacementGroup:
+    """``bundles`` bundles of ``cpus`` (and ``gpus``) laid out by ``pool``; an error naming the
+    pool when the cluster has no room for it (wrong labels, too few nodes for STRICT_SPREAD,
+    too few GPUs)."""
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    pg = placement_group([bundle] * bundles, strategy=pool.strategy,
                          bundle_label_selector=[dict(pool.labels)] * bundles
                          if pool.labels else None)
     try:
@@ -122,7 +146,8 @@ def _pool(name: str, pool: PoolConfig, bundles: int, cpus: float) -> PlacementGr
     except GetTimeoutError:
         remove_placement_group(pg)
         raise ConfigError(
-            f"runtime.{name}: {bundles} bundle(s) of {cpus:g} CPU, strategy={pool.strategy}, "
+            f"runtime.{name}: {bundles} bundle(s) of {cpus:g} CPU and {gpus:g} GPU (runtime."
+            f"gpus_per_*), strategy={pool.strategy}, "
             f"labels={dict(pool.labels)} found no room in the Ray cluster within "
             f"{POOL_READY_TIMEOUT_S} s (nodes: {_nodes()})") from None
     return pg
@@ -135,8 +160,9 @@ def _nodes() -> str:
         if node["Alive"]:
             labels = {k: v for k, v in node.get("Labels", {}).items()
                       if not k.startswith("ray.io/")}
-            out.append(f"{node['NodeManagerAddress']} {node['Resources'].get('CPU', 0):g} CPU "
-                       f"labels={labels}")
+            res = node["Resources"]
+            out.append(f"{node['NodeManagerAddress']} {res.get('CPU', 0):g} CPU "
+                       f"{res.get('GPU', 0):g} GPU labels={labels}")
     return "; ".join(out)
 
 

@@ -111,7 +111,8 @@ class Service:
             values = {k: v if v is not None else rollout[k] for k, v in asked.items()}
         return SamplingParams(n=1, temperature=float(values["temperature"]),
                               top_p=float(values["top_p"]), top_k=int(values["top_k"]),
-                              max_tokens=max_tokens, stop=protocol.stop_list(request.stop))
+                              max_tokens=max_tokens, stop=protocol.stop_list(request.stop),
+                              stop_token_ids=tuple(r.stop_token_ids))
 
     def _max_tokens(self, asked: int | None, prompt_len: int) -> int:
         limit = self.cfg.serve.max_tokens

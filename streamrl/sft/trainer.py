@@ -44,7 +44,7 @@ from streamrl.learner.fsdp import (
 )
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
 from streamrl.learner.update_loop import Counts, MetricAccumulator, run_update
-from streamrl.models import resolve_model_path
+from streamrl.models import padding_id, resolve_model_path
 from streamrl.sft.config import SFTConfig
 
 StepHook = Callable[[int, dict[str, float]], None]
@@ -78,8 +78,6 @@ def load_data(cfg: SFTConfig) -> SFTData:
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(
         cfg.model.tokenizer_path or model_path, "model.tokenizer_path", "tokenizer_config.json"))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
-        tokenizer.eos_token_id
     d = cfg.data
     examples = load_sft_examples(d.train_files, tokenizer, d.max_length,
                                  messages_key=d.messages_key, prompt_key=d.prompt_key,
@@ -87,7 +85,7 @@ def load_data(cfg: SFTConfig) -> SFTData:
     if len(examples) < d.train_batch_size:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size!r}: more than the "
                           f"{len(examples)} usable conversations in data.train_files")
-    return SFTData(examples, int(pad))
+    return SFTData(examples, padding_id(tokenizer))
 
 
 class SFTTrainer:

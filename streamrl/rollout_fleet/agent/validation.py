@@ -9,6 +9,7 @@ Depends on loop.py and engine.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,15 +17,17 @@ from typing import Any
 from streamrl.rollout_fleet.agent.loop import Agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 
+GREEDY = SamplingParams(n=1, temperature=0.0)
+
 
 async def validate_episodes(agent: Agent, engine: RolloutEngine, prompts: Sequence[Any],
-                            stop: tuple[str, ...] = ()) -> dict[str, float]:
+                            greedy: SamplingParams = GREEDY) -> dict[str, float]:
     """Mean reward, response length, turns, tool errors and truncation over ``prompts``
-    (``stop``: the run's ``rollout.stop`` strings)."""
+    (``greedy``: the run's greedy sampling parameters, its stops; each turn sets max_tokens)."""
     start = time.perf_counter()
 
     async def sample(prompt_ids: list[int], max_tokens: int, request_id: str) -> Completion:
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop=stop)
+        params = dataclasses.replace(greedy, max_tokens=max_tokens)
         (c,) = await engine.generate(prompt_ids, params, request_id)
         return c
 
