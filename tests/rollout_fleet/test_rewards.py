@@ -28,21 +28,78 @@ from streamrl.rollout_fleet.rewards import (
 # -- scorers, called directly ---------------------------------------------------------------
 
 
-def test_gsm8k_strict_and_flexible_extraction():
+def test_gsm8k_strict_and_flexible_extraction_are_verls():
     text = "Half of 10 is 5, plus 37 gives 42.\n#### 42"
     assert gsm8k.extract_solution(text, "strict") == "42"
+    assert gsm8k.extract_solution(text) == "42"  # extract_solution's default stays verl's strict
     assert gsm8k.extract_solution("#### 1,234 then #### 7", "strict") == "7"
     assert gsm8k.extract_solution("#### -3", "strict") == "-3"
+    assert gsm8k.extract_solution("#### 42.", "strict") == "42."  # as verl returns it
+    assert gsm8k.extract_solution("#### 42.0", "strict") == "42.0"
+    assert gsm8k.extract_solution("#### $1,234", "strict") is None  # $ before the number
+    assert gsm8k.extract_solution("\\boxed{42}", "strict") is None
     assert gsm8k.extract_solution("the answer is 12.", "strict") is None
     assert gsm8k.extract_solution("the answer is 12.", "flexible") == "12."
     assert gsm8k.extract_solution("first 3 then 1,500 .", "flexible") == "1,500"
-    assert gsm8k.compute_score(text, "42") == 1.0
-    assert gsm8k.compute_score("#### 41", "42") == 0.0
-    assert gsm8k.compute_score("42", "42") == 0.0  # strict: no #### means no answer
-    assert gsm8k.compute_score("#### $1,000", "1000") == 0.0  # $ before the number: no match
-    assert gsm8k.compute_score("#### 1,000", "1000") == 1.0
     # only the last 300 characters are searched
     assert gsm8k.extract_solution("#### 5" + " x" * 200, "strict") is None
+    # compute_score with a verl method compares strings, as verl does
+    assert gsm8k.compute_score(text, "42", method="strict") == 1.0
+    assert gsm8k.compute_score("#### 42.", "42", method="strict") == 0.0
+    assert gsm8k.compute_score("#### $1,000", "1000", method="strict") == 0.0
+    assert gsm8k.compute_score("#### 1,000", "1000", method="strict") == 1.0
+    assert gsm8k.compute_score("#### 41", "42", method="strict", format_score=0.1) == 0.1
+    with pytest.raises(ValueError, match="must be one of"):
+        gsm8k.extract_solution("#### 1", "exact")
+
+
+COT = "Natalia sold 48 clips in April and half as many, 48 / 2 = 24, in May: 48 + 24 = 72.\n"
+# (response, ground truth, score) under compute_score's default (lenient) method
+GSM8K_CASES = [
+    (COT + "#### 72", "72", 1.0),
+    (COT + "#### 72.", "72", 1.0),                    # trailing period
+    (COT + "#### 72.0", "72", 1.0),
+    (COT + "#### **72**", "72", 1.0),                 # markdown
+    (COT + "#### $72", "72", 1.0),
+    (COT + "#### \\$72.00", "72", 1.0),
+    (COT + "#### The answer is 72", "72", 1.0),
+    ("So she paid 1,000 + 234 dollars.\n#### $1,234", "1234", 1.0),
+    ("So she paid 1,000 + 234 dollars.\n#### 1234", "1,234", 1.0),  # comma in the truth
+    (COT + "#### 72\n\nLet me know if you need more help with 3 other questions.", "72", 1.0),
+    (COT + "#### 72" + " Explanation follows." * 30, "72", 1.0),  # beyond 300 characters
+    (COT + "The answer is $\\boxed{72}$.", "72", 1.0),        # boxed, no ####
+    (COT + "\\boxed{\\$72}", "72", 1.0),
+    (COT + "\\boxed{72 \\text{ clips}}", "72", 1.0),
+    ("#### Step 1: April\n48 clips.\n#### Step 2: May\n24 clips, so \\boxed{72}", "72", 1.0),
+    (COT + "#### -72", "-72", 1.0),
+    (COT + "#### 73", "72", 0.0),                     # wrong
+    (COT + "#### 72.5", "72", 0.0),
+    ("First 72, then I doubled it: \\boxed{144}", "72", 0.0),  # right number, wrong answer
+    ("#### 72\nthough a second look gives 73", "72", 1.0),    # #### beats a later number
+    ("#### 73\nthough a second look gives 72", "72", 0.0),
+    ("#### 71\n...\n#### 72", "72", 1.0),             # the last #### answer counts
+    ("#### 72\n...\n#### 71", "72", 0.0),
+    ("#### 73\n\\boxed{72}", "72", 0.0),               # the prompt asks for ####
+    (COT + "The answer is 72.", "72", 0.0),           # no ####, no \boxed: no answer
+    ("72", "72", 0.0),
+    (COT + "\\boxed{72", "72", 0.0),                  # truncated: braces do not balance
+    ("\\boxed{\\frac{1}{2}}", "1", 0.0),
+]
+
+
+@pytest.mark.parametrize(("response", "truth", "expected"), GSM8K_CASES,
+                         ids=[case[0].rsplit("\n", 1)[-1][:40] for case in GSM8K_CASES])
+def test_gsm8k_default_scores_model_outputs(response, truth, expected):
+    assert gsm8k.compute_score(response, truth) == expected
+    assert compute_score(ScorerSpec(), "openai/gsm8k", response, truth, {}) == expected
+
+
+def test_gsm8k_lenient_extraction_is_canonical():
+    assert gsm8k.extract_solution("#### $1,234.50.", "lenient") == "1234.5"
+    assert gsm8k.extract_solution("#### 0", "lenient") == "0"
+    assert gsm8k.extract_solution("#### -0.0", "lenient") == "0"
+    assert gsm8k.extract_solution("\\boxed{\\boxed{7}} then 8", "lenient") == "7"
+    assert gsm8k.extract_solution("5-3 gives\n\\boxed{2}", "lenient") == "2"
 
 
 def test_math_verify_equivalent_forms():
@@ -52,10 +109,19 @@ def test_math_verify_equivalent_forms():
     assert math_answer.compute_score("no answer here", "4") == 0.0
 
 
-def test_reasoning_gym_scores_with_entry():
+def _rgym_entry(dataset: str) -> dict:
     import reasoning_gym
 
-    entry = dict(reasoning_gym.create_dataset("basic_arithmetic", size=1, seed=3)[0])
+    return dict(reasoning_gym.create_dataset(dataset, size=1, seed=3)[0])
+
+
+def _rgym(dataset: str, response: str, entry: dict) -> float:
+    return rgym.compute_score(f"reasoning_gym/{dataset}", response, entry["answer"],
+                              {"entry": entry})
+
+
+def test_reasoning_gym_scores_with_entry():
+    entry = _rgym_entry("basic_arithmetic")
     right, wrong = entry["answer"], str(int(entry["answer"]) + 1)
     source = "reasoning_gym/basic_arithmetic"
     assert rgym.compute_score(source, f"work... #### {right}", right, {"entry": entry}) == 1.0
@@ -63,6 +129,66 @@ def test_reasoning_gym_scores_with_entry():
     assert rgym.compute_score(source, f"#### {wrong}", right, {"entry": entry}) == 0.0
     # without the entry, a minimal one built from the ground truth is graded
     assert rgym.compute_score(source, f"#### {right}", right, {}) == 1.0
+
+
+# Chains of thought for the numeric datasets: {r} is the right answer, {w} a wrong one.
+RGYM_NUMERIC_CASES = [
+    ("Let me compute. The result is {r}.", 1.0),
+    ("Step by step: the total is {r}.\n#### {r}", 1.0),
+    ("Step by step.\n#### {r}.", 1.0),
+    ("Step by step.\n#### **{r}**", 1.0),
+    ("Step by step.\n#### {r}.0", 1.0),
+    ("Step by step.\n#### {r}\n\nHope this helps! (checked 3 times)", 1.0),
+    ("Adding the terms one by one gives\n$$\\boxed{{{r}}}$$", 1.0),
+    ("#### Step 1\nadd the terms\n#### Step 2\nso \\boxed{{{r}}}", 1.0),
+    ("So the answer is {r}, because I added 2 more at the end.", 1.0),
+    ("<answer>{r}</answer>", 1.0),
+    # the first number is the right answer, the final one is not
+    ("{r} is my first guess. Checking again, the final answer is {w}.", 0.0),
+    ("{r} is my first guess. Checking again: \\boxed{{{w}}}", 0.0),
+    ("{r} is my first guess.\n#### {w}", 0.0),
+    ("{r} is my first guess, but recomputing gives {w}", 0.0),
+    ("#### {w}\nthough {r} would also be plausible", 0.0),
+]
+
+
+@pytest.mark.parametrize("dataset", ["basic_arithmetic", "chain_sum", "gsm_symbolic"])
+@pytest.mark.parametrize(("template", "expected"), RGYM_NUMERIC_CASES,
+                         ids=[case[0][-40:] for case in RGYM_NUMERIC_CASES])
+def test_reasoning_gym_numeric_datasets_grade_the_final_answer(dataset, template, expected):
+    entry = _rgym_entry(dataset)
+    right = entry["answer"]
+    response = template.format(r=right, w=int(right) + 7)
+    if dataset == "gsm_symbolic" and expected == 0.0:
+        expected = 0.01  # its own scorer gives any wrong number 0.01
+    assert _rgym(dataset, response, entry) == expected
+
+
+def test_reasoning_gym_numbers_are_written_like_the_answer():
+    assert rgym.extract_answer("#### $1,234.", "1234") == "1234"
+    assert rgym.extract_answer("#### 1,234", "1,234") == "1,234"
+    assert rgym.extract_answer("#### +5.0", "5") == "5"
+    assert rgym.extract_answer("#### 4.50", "4.5") == "4.50"  # the dataset compares values
+    assert rgym.extract_answer("so 10-3 = 7", "7") == "7"     # the - of 10-3 is not a sign
+    assert rgym.extract_answer("no digits here", "7") == "no digits here"
+
+
+def test_reasoning_gym_non_numeric_dataset():
+    entry = _rgym_entry("spell_backward")
+    right = entry["answer"]
+    wrong = right[::-1]
+    cot = f"The word is {wrong}; reading it from the end, letter by letter, gives {right}.\n"
+    assert _rgym("spell_backward", cot + f"<answer>{right}</answer>", entry) == 1.0
+    assert _rgym("spell_backward", f"<answer>{right}</answer> or maybe {wrong}", entry) == 1.0
+    assert _rgym("spell_backward", cot + f"#### **{right}**.", entry) == 1.0
+    assert _rgym("spell_backward", cot + f"\\boxed{{\\text{{{right}}}}}", entry) == 1.0
+    assert _rgym("spell_backward", cot + f"Final answer: `{right}`", entry) == 1.0
+    assert _rgym("spell_backward", f"{right}.", entry) == 1.0
+    assert _rgym("spell_backward", cot + f"<answer>{wrong}</answer>", entry) < 1.0
+    # tidying only strips what the answer lacks
+    assert rgym.extract_answer("#### The cat sat.", "The cat sat.") == "The cat sat."
+    assert rgym.extract_answer("#### **bold**", "**bold**") == "**bold**"
+    assert rgym.extract_answer("#### \\text{a} or \\text{b}", "a") == "\\text{a} or \\text{b}"
 
 
 def test_toy_scores_and_auto_dispatch():

@@ -1,8 +1,8 @@
 """Rewards for the rollout fleet: rule functions in a process pool, reward models and LLM
 judges in shared Ray actors, and their weighted sums.
 
-Parts: ``gsm8k`` (verl's ``####`` extraction), ``math_answer`` (math-verify), ``rgym``
-(reasoning-gym's own scorers), the toy task (``streamrl.data.toy``), ``custom`` (verl-style
+Parts: ``gsm8k`` (``####`` answers: verl's methods and a lenient default), ``math_answer``
+(math-verify), ``rgym`` (reasoning-gym's own scorers), the toy task (``streamrl.data.toy``), ``custom`` (verl-style
 ``custom_reward_function.path/name``), ``dispatch`` (which scorer a data_source gets; runs in
 the workers) and ``pool`` (``RewardScorer``: the process pool, timeouts, failure counting);
 ``reward_model`` (``RewardModelServer``: an HF sequence-classification RM, micro-batched by

@@ -97,7 +97,7 @@ class CalculatorEnv(Environment):
         if turn.tool_calls or turn.tool_messages:
             return StepResult(turn.tool_messages, 0.0, False, {"calculator_calls":
                                                                  len(self.results)})
-        answer = _number(extract_solution(turn.content, "strict"))
+        answer = _number(extract_solution(turn.content, "lenient"))
         correct = answer is not None and math.isclose(answer, self.truth, abs_tol=1e-6)
         used = correct and any(math.isclose(answer, r, abs_tol=1e-6) for r in self.results)
         reward = 1.0 if used else self.no_tool_credit if correct else 0.0
