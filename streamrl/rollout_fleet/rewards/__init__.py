@@ -2,14 +2,14 @@
 judges in shared Ray actors, and their weighted sums.
 
 Parts: ``gsm8k`` (``####`` answers: verl's methods and a lenient default), ``math_answer``
-(math-verify), ``rgym`` (reasoning-gym's own scorers), the toy task (``streamrl.data.toy``), ``custom`` (verl-style
-``custom_reward_function.path/name``), ``dispatch`` (which scorer a data_source gets; runs in
-the workers) and ``pool`` (``RewardScorer``: the process pool, timeouts, failure counting);
-``reward_model`` (``RewardModelServer``: an HF sequence-classification RM, micro-batched by
-``batching``), ``judge`` (``JudgeServer``: an LLM judge on a rollout engine), ``remote``
-(``start_reward_servers``: their actors; ``RemoteScorer``: a replica's client), ``combine``
-(``WeightedScorer``), ``prompt`` (how the prompt reaches them) and ``tiny_rm`` (an offline tiny
-reward model for tests and examples).
+(math-verify), ``rgym`` (reasoning-gym's own scorers), the toy task (``streamrl.data.toy``),
+``custom`` (verl-style ``custom_reward_function.path/name``), ``dispatch`` (which scorer a
+data_source gets; runs in the workers) and ``pool`` (``RewardScorer``: the process pool,
+timeouts, failure counting); ``reward_model`` (``RewardModelServer``: an HF sequence-
+classification RM, micro-batched by ``batching``), ``judge`` (``JudgeServer``: an LLM judge on a
+rollout engine), ``remote`` (``start_reward_servers``: their actors; ``RemoteScorer``: a
+replica's client), ``combine`` (``WeightedScorer``), ``prompt`` (how the prompt reaches them)
+and ``tiny_rm`` (an offline tiny reward model for tests and examples).
 
 ``reward.kind`` picks the parts: ``rule`` (the scorer ``reward.name`` picks), ``custom``
 (``reward.custom_path``), ``model``, ``judge``, or a list of them added with ``reward.weights``.
