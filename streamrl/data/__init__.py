@@ -45,6 +45,8 @@ def make_prompt_source(cfg: TaskConfig, tokenizer: Any, split: str = "train") ->
             source = ListPromptSource([source[i] for i in range(cfg.val_size)],
                                       name=f"{source.name}[:{cfg.val_size}]",
                                       skipped=source.skipped)
+    elif not train and cfg.val_size == 0:
+        return ListPromptSource([], name="task.val_size=0")
     elif cfg.source in ("toy", "reasoning_gym"):
         size = cfg.size if train else cfg.val_size
         seed = cfg.seed if train else cfg.seed + VAL_SEED_OFFSET

@@ -110,6 +110,26 @@ def test_reasoning_gym_source(tokenizer):
         make_prompt_source(short, tokenizer, "train")
 
 
+def test_validation_sets_are_bounded_by_val_size(tokenizer, tmp_path):
+    """task.val_size bounds every validation set (a validation pass answers each prompt);
+    0 means none, for every source."""
+    from streamrl.data.gsm8k_files import write_gsm8k
+
+    files = write_gsm8k(tmp_path, train_size=6, test_size=5)
+    parquet = TaskConfig(source="parquet", train_files=(str(files / "train.parquet"),),
+                         val_files=(str(files / "test.parquet"),), max_prompt_length=512)
+    assert len(make_prompt_source(parquet, tokenizer, "val")) == 5
+    capped = TaskConfig(**{**parquet.__dict__, "val_size": 3})
+    val = make_prompt_source(capped, tokenizer, "val")
+    assert len(val) == 3
+    whole = make_prompt_source(parquet, tokenizer, "val")
+    assert [p.prompt_ids for p in val] == [whole[i].prompt_ids for i in range(3)]
+    for source in ("toy", "reasoning_gym", "parquet"):
+        none = TaskConfig(**{**parquet.__dict__, "source": source, "val_size": 0,
+                             "name": "rep" if source == "toy" else "basic_arithmetic"})
+        assert len(make_prompt_source(none, tokenizer, "val")) == 0
+
+
 def test_toy_source_and_rewards(tokenizer):
     cfg = TaskConfig(source="toy", name="rep", size=50, seed=1)
     source = make_prompt_source(cfg, tokenizer, "train")
