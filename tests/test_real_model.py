@@ -146,7 +146,8 @@ def _short_run(smollm2_dir: Path, tmp_path: Path, mode: str) -> list[dict[str, f
         "rollout.max_new_tokens=24", "rollout.max_inflight_groups=2",
         # advantages in every group, and a large step: the update moves every log-prob well
         # past the engine's numerics
-        f"reward.custom_path={LENGTH_REWARD}", "reward.name=custom", "actor.optim.lr=1e-4", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
+        f"reward.custom_path={LENGTH_REWARD}", "reward.name=custom", "actor.optim.lr=1e-4",
+        "runtime.num_cpus=2", "trainer.logger=[jsonl]",
         f"trainer.output_dir={tmp_path / mode}",
     ])
     return run_training(cfg).history
