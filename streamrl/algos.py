@@ -9,7 +9,9 @@ and results equal verl's on valid (mask = 1) tokens; the few deliberate differen
 
 Parts, in file order:
 1. Masked helpers ....... masked_sum, masked_mean, masked_var, masked_whiten,
-                          logprobs_from_logits, entropy_from_logits
+                          chunked_log_probs (log-probs / entropy, chunked, recomputed in
+                          backward; logits or hidden states + LM head in), logprobs_from_logits,
+                          entropy_from_logits
 2. Registries ........... register_adv_estimator, get_adv_estimator_fn, ADV_ESTIMATORS;
                           register_policy_loss, get_policy_loss_fn, POLICY_LOSSES,
                           policy_loss_weights_by_ratio
@@ -61,7 +63,6 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
@@ -79,6 +80,7 @@ __all__ = [
     "RolloutRSError",
     "agg_loss",
     "apply_kl_penalty",
+    "chunked_log_probs",
     "compute_advantage",
     "compute_entropy_loss",
     "compute_gae_advantage_return",
@@ -162,48 +164,162 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
     return whitened if shift_mean else whitened + mean
 
 
-def _upcast(x: Tensor) -> Tensor:
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
 def _row_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     return [slice(i, i + chunk_rows) for i in range(0, n_rows, chunk_rows)]
 
 
-def _join_rows(parts: list[Tensor], shape: torch.Size, like: Tensor) -> Tensor:
-    if not parts:
-        return like.new_zeros(shape, dtype=_upcast(like).dtype)
-    return torch.cat(parts).reshape(shape)
+def _chunk_logits(
+    inputs: Tensor, weight: Tensor | None, rows: slice, temperature: float, dtype: torch.dtype
+) -> tuple[Tensor, bool]:
+    """(rows of logits / temperature in ``dtype``, whether that tensor is ours to overwrite)."""
+    block = inputs[rows]
+    if weight is not None:
+        z, owned = (block @ weight.T).to(dtype), True
+    else:
+        z = block.to(dtype)
+        owned = z.data_ptr() != block.data_ptr()
+    if temperature != 1.0:
+        z, owned = (z.div_(temperature) if owned else z / temperature), True
+    return z, owned
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """log_softmax(logits)[..., label] for each position, `chunk_rows` rows at a time.
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Per-token log-probs and entropies of softmax(logits / temperature), ``chunk_rows`` rows at
+    a time, with logits = ``inputs`` (weight None) or ``inputs @ weight.T`` (a fused LM head).
 
-    `logits` is (..., vocab), `labels` is (...). Beyond the input only a (chunk_rows, vocab)
-    block is materialised at a time. fp16/bf16 logits are upcast per chunk and give fp32.
+    Saves only its inputs plus O(rows) statistics (log-sum-exp, entropy) and recomputes each
+    chunk's softmax in backward, so at most one chunk's [chunk_rows, vocab] block (and its
+    temporaries) exists at a time, in forward and in backward. With d lp / dz = onehot - p and
+    d H / dz = -p * (log p + H), the gradient w.r.t. a chunk's logits is formed in place.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, inputs: Tensor, weight: Tensor | None, labels: Tensor, temperature: float,
+        chunk_rows: int, with_entropy: bool, entropy_grad: bool,
+    ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
+        n = inputs.shape[0]
+        log_probs = inputs.new_empty(n, dtype=dtype)
+        lse = torch.empty_like(log_probs)
+        entropy = torch.empty_like(log_probs) if with_entropy else log_probs.new_empty(0)
+        for rows in _row_slices(n, chunk_rows):
+            z, owned = _chunk_logits(inputs, weight, rows, temperature, dtype)
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            lse[rows] = chunk_lse
+            log_probs[rows] = z.gather(-1, labels[rows, None]).squeeze(-1) - chunk_lse
+            if with_entropy:  # -sum(p * log p), in log_p's memory; lse - sum(p * z) would cancel
+                log_p = z.sub_(chunk_lse[:, None]) if owned else z - chunk_lse[:, None]
+                del z
+                entropy[rows] = -log_p.mul_(log_p.exp()).sum(-1)
+                del log_p
+            else:
+                del z
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.save_for_backward(inputs, weight, labels, lse, entropy)
+        ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_lp: Tensor | None, grad_ent: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        inputs, weight, labels, lse, entropy = ctx.saved_tensors
+        need_inputs, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        none = (None,) * 5
+        if grad_lp is None and grad_ent is None:
+            return None, None, *none
+        grad_inputs = torch.empty_like(inputs) if need_inputs else None
+        grad_weight = (torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, ctx.dtype))
+                       if need_weight else None)
+        for rows in _row_slices(inputs.shape[0], ctx.chunk_rows):
+            z, owned = _chunk_logits(inputs, weight, rows, ctx.temperature, ctx.dtype)
+            log_p = z.sub_(lse[rows, None]) if owned else z - lse[rows, None]
+            del z
+            probs = log_p.exp()
+            if grad_ent is not None:  # -g_H * p * (log p + H), in log_p's memory
+                grad = log_p.add_(entropy[rows, None]).mul_(probs).mul_(-grad_ent[rows, None])
+                if grad_lp is not None:
+                    grad.addcmul_(probs, grad_lp[rows, None], value=-1.0)
+                del probs
+            else:
+                del log_p
+                grad = probs.mul_(-grad_lp[rows, None])  # type: ignore[index]
+            if grad_lp is not None:
+                grad.scatter_add_(-1, labels[rows, None], grad_lp[rows, None])
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            if weight is None:
+                if grad_inputs is not None:
+                    grad_inputs[rows] = grad
+                continue
+            grad = grad.to(weight.dtype)
+            if grad_inputs is not None:
+                grad_inputs[rows] = grad @ weight
+            if grad_weight is not None:
+                grad_weight.add_(grad.T @ inputs[rows])
+            del grad
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_inputs, grad_weight, *none
+
+
+def chunked_log_probs(
+    inputs: Tensor,
+    labels: Tensor,
+    weight: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    chunk_rows: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """(log_softmax(z / temperature)[label], entropy of softmax(z / temperature) or None) per
+    position, fp32 (fp64 for fp64 inputs), where z = ``inputs`` [..., vocab] when ``weight`` is
+    None, else z = ``inputs @ weight.T`` for hidden states [..., H] and an LM head [vocab, H].
+
+    Memory: ``chunk_rows`` rows of z at a time, in forward and backward (recomputed there); the
+    autograd graph keeps only the inputs and two O(rows) vectors, never a [rows, vocab] tensor,
+    and the fused form never builds z for all rows at all. The entropy is differentiable only
+    with ``entropy_grad`` (a metric otherwise: no graph, no backward work).
     Differs from verl: verl keeps bf16 results in bf16; fp32 keeps the PPO ratio exact.
     """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must be logits {tuple(logits.shape)}[:-1]")
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1, 1)
-    parts = []
-    for rows in _row_slices(flat.shape[0], chunk_rows):
-        block = _upcast(flat[rows])
-        picked = block.gather(-1, flat_labels[rows]).squeeze(-1)
-        parts.append(picked - torch.logsumexp(block, dim=-1))
-    return _join_rows(parts, labels.shape, logits)
+    if inputs.shape[:-1] != labels.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must be inputs {tuple(inputs.shape)}[:-1]")
+    if weight is not None and (weight.ndim != 2 or weight.shape[1] != inputs.shape[-1]):
+        raise ValueError(f"weight {tuple(weight.shape)} must be [vocab, {inputs.shape[-1]}]")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows} must be >= 1")
+    flat = inputs.reshape(-1, inputs.shape[-1])
+    log_probs, entropy = _ChunkedLogProbs.apply(
+        flat, weight, labels.reshape(-1).long(), float(temperature), chunk_rows, with_entropy,
+        entropy_grad,
+    )
+    return log_probs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy
+                                             else None)
+
+
+def logprobs_from_logits(
+    logits: Tensor, labels: Tensor, chunk_rows: int = 1024, temperature: float = 1.0
+) -> Tensor:
+    """log_softmax(logits / temperature)[..., label] per position (`chunked_log_probs`).
+
+    `logits` is (..., vocab), `labels` is (...). fp16/bf16 logits are upcast per chunk and give
+    fp32; backward recomputes each chunk's softmax instead of keeping it.
+    """
+    return chunked_log_probs(logits, labels, temperature=temperature, chunk_rows=chunk_rows)[0]
 
 
 def entropy_from_logits(logits: Tensor, chunk_rows: int = 1024) -> Tensor:
-    """Entropy of softmax(logits) per position: logsumexp(z) - sum(softmax(z) * z)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    parts = []
-    for rows in _row_slices(flat.shape[0], chunk_rows):
-        block = _upcast(flat[rows])
-        probs = F.softmax(block, dim=-1)
-        parts.append(torch.logsumexp(block, dim=-1) - (probs * block).sum(dim=-1))
-    return _join_rows(parts, logits.shape[:-1], logits)
+    """Entropy of softmax(logits) per position, -sum(p * log p), with gradients
+    (`chunked_log_probs`)."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    entropy = chunked_log_probs(logits, labels, with_entropy=True, entropy_grad=True,
+                                chunk_rows=chunk_rows)[1]
+    assert entropy is not None
+    return entropy
 
 
 # --------------------------------------------------------------------------------------------

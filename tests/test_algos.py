@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,127 @@ def test_logprobs_and_entropy_from_logits() -> None:
     # entropy: uniform over 4 -> ln 4; probs (1/4, 3/4) -> 0.5623351
     ent = entropy_from_logits(torch.log(t([[1.0, 1.0, 1.0, 1.0], [1.0, 3.0, 1e-30, 1e-30]])))
     assert close(ent, [LN(4), -(0.25 * LN(0.25) + 0.75 * LN(0.75))])
+
+
+def _full_softmax(z: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple:
+    """Today's reference: the whole [T, V] log-softmax, then gather."""
+    log_p = torch.log_softmax(z.float() / temperature, dim=-1)
+    return log_p.gather(-1, labels[..., None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 150, 4096])  # 150 rows: 7, 64 don't divide
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_equal_full_softmax(chunk_rows: int, temperature: float) -> None:
+    torch.manual_seed(chunk_rows)
+    B, L, H, V = 3, 50, 32, 3000
+    hidden = torch.randn(B, L, H, requires_grad=True)
+    weight = (0.2 * torch.randn(V, H)).requires_grad_()
+    labels = torch.randint(0, V, (B, L))
+    mask = (torch.arange(L) < torch.tensor([[50], [31], [0]])).float()  # padding; an empty row
+    g_lp, g_ent = torch.randn(B, L), torch.randn(B, L)
+
+    def loss(lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        return masked_sum(lp * g_lp + ent * g_ent, mask)
+
+    def grads(*xs: torch.Tensor) -> list[torch.Tensor]:
+        out = [x.grad.clone() for x in xs]  # type: ignore[union-attr]
+        for x in xs:
+            x.grad = None
+        return out
+
+    ref_lp, ref_ent = _full_softmax(hidden @ weight.T, labels, temperature)
+    loss(ref_lp, ref_ent).backward()
+    ref = [ref_lp.detach(), ref_ent.detach(), *grads(hidden, weight)]
+    # Fused: hidden states and the head weight in, never the [T, V] logits.
+    lp, ent = algos.chunked_log_probs(hidden, labels, weight, temperature=temperature,
+                                      with_entropy=True, entropy_grad=True, chunk_rows=chunk_rows)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == labels.shape
+    loss(lp, ent).backward()
+    for got, want in zip([lp.detach(), ent.detach(), *grads(hidden, weight)], ref):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Logits in: the same numbers and d/dlogits.
+    logits = (hidden @ weight.T).detach().requires_grad_()
+    ref_lp, ref_ent = _full_softmax(logits, labels, temperature)
+    loss(ref_lp, ref_ent).backward()
+    ref = [ref_lp.detach(), ref_ent.detach(), *grads(logits)]
+    lp, ent = algos.chunked_log_probs(logits, labels, temperature=temperature, with_entropy=True,
+                                      entropy_grad=True, chunk_rows=chunk_rows)
+    loss(lp, ent).backward()
+    for got, want in zip([lp.detach(), ent.detach(), *grads(logits)], ref):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Log-probs alone (entropy a metric: no gradient) give the log-prob part of the gradient.
+    lp, ent = algos.chunked_log_probs(logits, labels, temperature=temperature, with_entropy=True,
+                                      chunk_rows=chunk_rows)
+    assert not ent.requires_grad
+    masked_sum(lp * g_lp, mask).backward()
+    got = grads(logits)[0]
+    masked_sum(_full_softmax(logits, labels, temperature)[0] * g_lp, mask).backward()
+    torch.testing.assert_close(got, grads(logits)[0], atol=1e-5, rtol=1e-5)
+    assert algos.logprobs_from_logits(logits, labels, 7, temperature).shape == labels.shape
+
+
+def _old_logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int):
+    """The implementation before the chunked recompute (for the memory comparison)."""
+    flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1, 1)
+    parts = []
+    for rows in range(0, flat.shape[0], chunk_rows):
+        block = flat[rows : rows + chunk_rows].float()
+        picked = block.gather(-1, flat_labels[rows : rows + chunk_rows]).squeeze(-1)
+        parts.append(picked - torch.logsumexp(block, dim=-1))
+    return torch.cat(parts).reshape(labels.shape)
+
+
+def _old_entropy_from_logits(logits: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for rows in range(0, flat.shape[0], chunk_rows):
+        block = flat[rows : rows + chunk_rows].float()
+        probs = torch.softmax(block, dim=-1)
+        parts.append(torch.logsumexp(block, dim=-1) - (probs * block).sum(dim=-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def _saved_bytes(fn: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
+    storages: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(storages.values())
+
+
+def test_chunked_log_probs_save_only_inputs() -> None:
+    T, H, V, chunk = 512, 32, 4096, 128
+    chunks_x_block = (T // chunk) * chunk * V * 4  # every chunk's fp32 [chunk, V]
+    labels = torch.randint(0, V, (T,))
+    small = 64 * T  # O(T): labels, log-sum-exp, entropy
+    hidden = torch.randn(T, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    inputs = hidden.nbytes + weight.nbytes
+    # Fused: the inputs and O(T), where logits + the old chunked log-softmax keep [T, V] blocks.
+    assert _saved_bytes(lambda: algos.chunked_log_probs(
+        hidden, labels, weight, with_entropy=True, entropy_grad=True, chunk_rows=chunk,
+        temperature=0.7)) <= inputs + small
+    assert _saved_bytes(lambda: _old_logprobs_from_logits(
+        (hidden @ weight.T) / 0.7, labels, chunk)) >= inputs + chunks_x_block
+    # bf16 logits: the old path saved every chunk's fp32 copy; now the logits alone.
+    logits = torch.randn(T, V, dtype=torch.bfloat16, requires_grad=True)
+    assert _saved_bytes(lambda: logprobs_from_logits(logits, labels, chunk)) <= (
+        logits.nbytes + small)
+    assert _saved_bytes(lambda: _old_logprobs_from_logits(logits, labels, chunk)) >= (
+        chunks_x_block)
+    # Entropy with gradients: the old path kept every chunk's softmax.
+    logits = torch.randn(T, V, requires_grad=True)
+    assert _saved_bytes(lambda: entropy_from_logits(logits, chunk)) <= logits.nbytes + small
+    assert _saved_bytes(lambda: _old_entropy_from_logits(logits, chunk)) >= (
+        logits.nbytes + chunks_x_block)
+    # Under no_grad nothing is saved at all.
+    with torch.no_grad():
+        assert _saved_bytes(lambda: algos.chunked_log_probs(hidden, labels, weight)) == 0
 
 
 # ------------------------------------------------------------------------------- registries

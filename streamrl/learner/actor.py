@@ -9,7 +9,10 @@ groups, rows dealt to ranks) x micro-batches (token budget + packing, or fixed s
 through ``update_loop.run_update`` with the loss pg_loss - entropy_coeff * entropy
 + kl_loss_coef * kl_loss, every term normalised by the mini-batch's global token / sequence
 counts. Policy-loss modes and rollout corrections come from ``algos`` via ``PolicyLossConfig``.
-Depends on algos, batch, config and the learner's batching / forward / optim / update_loop.
+Log-probs come from ``logprobs.policy_log_probs`` (computed in the LM head, chunked, never the
+[tokens x vocab] logits); the entropy has gradients only when ``entropy_coeff != 0``.
+Depends on algos, batch, config and the learner's batching / forward / logprobs / optim /
+update_loop.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.config import ActorConfig, Config
 from streamrl.learner.batching import Plan
-from streamrl.learner.forward import MicroBatch, gather_rows, policy_forward
+from streamrl.learner.forward import MicroBatch, gather_rows
+from streamrl.learner.logprobs import policy_log_probs
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
 from streamrl.learner.update_loop import Counts, MetricAccumulator, run_update
 
@@ -73,7 +77,7 @@ def log_probs_over_plan(
     with torch.no_grad():
         for mini in micro_batches(batch, plan, packed):
             for mb in mini:
-                log_probs, entropy = policy_forward(
+                log_probs, entropy = policy_log_probs(
                     model, mb, device, temperature=temperature, with_entropy=with_entropy
                 )
                 rows = [] if mb.dummy else mb.rows
@@ -157,12 +161,12 @@ class Actor:
 
     def _micro_loss(self, mb: MicroBatch, counts: Counts, metrics: MetricAccumulator) -> Tensor:
         acfg, dev = self.acfg, self.device
-        log_prob, entropy = policy_forward(
-            self.model, mb, dev, temperature=self.cfg.rollout.temperature, with_entropy=True
+        # The entropy is a metric only (no graph, no backward work) unless it is in the loss.
+        log_prob, entropy = policy_log_probs(
+            self.model, mb, dev, temperature=self.cfg.rollout.temperature, with_entropy=True,
+            entropy_grad=acfg.entropy_coeff != 0,
         )
         assert entropy is not None
-        if acfg.entropy_coeff == 0:
-            entropy = entropy.detach()  # a metric only
         mask = mb.column("response_mask", dev)
         rollout = mb.column("rollout_log_probs", dev)
         weight = float(mask.sum())

@@ -1,4 +1,5 @@
-"""Two FSDP2 ranks on gloo train like one rank; a 2-rank checkpoint loads into 1 rank."""
+"""Two FSDP2 ranks on gloo train like one rank; a 2-rank checkpoint loads into 1 rank;
+gradient checkpointing changes no number, on one rank or two."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from streamrl.learner.worker import LearnerWorker
 from tests.support.learner import free_port, make_batch, make_config, run_ranks, with_advantages
@@ -57,3 +59,48 @@ def test_two_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert extra == {"from_world": 2} and initial.version == 1
     loaded = dict(initial.named_full_parameters())
     assert all(torch.equal(loaded[k], two[0]["params"][k]) for k in loaded)
+
+
+CHECKPOINTING = {"actor.ppo_max_token_len": 40, "actor.entropy_coeff": 0.01,
+                 "actor.grad_clip": 0.0}
+
+
+def update_once(rank: int, world: int, port: int, model_dir: str, out: str,
+                checkpointing: bool) -> dict[str, Any]:
+    cfg = make_config(model_dir, out, **{**CHECKPOINTING, "learner.world_size": world,
+                                         "model.gradient_checkpointing": checkpointing})
+    worker = LearnerWorker(cfg, rank, world, "127.0.0.1", port)
+    batch = with_advantages(worker.prepare(make_batch()), cfg)
+    calls = []  # the first decoder layer's forwards during the update, recomputations included
+    worker.actor.model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    metrics = worker.update(batch)
+    return {"metrics": metrics, "layer_calls": len(calls),
+            "params": dict(worker.named_full_parameters(every_rank=True))}
+
+
+def update_with_and_without_checkpointing(rank: int, world: int, port: int, model_dir: str,
+                                          out: str) -> dict[bool, dict[str, Any]]:
+    """One update of the same batch with ``model.gradient_checkpointing`` off, then on."""
+    results = {on: update_once(rank, world, port, model_dir, out, on) for on in (False, True)}
+    if world > 1:
+        dist.destroy_process_group()
+    return results
+
+
+def assert_checkpointing_changes_nothing(results: dict[bool, dict[str, Any]]) -> None:
+    off, on = results[False], results[True]
+    assert on["layer_calls"] == 2 * off["layer_calls"] > 0  # each layer forward recomputed once
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        assert on["metrics"][key] == pytest.approx(off["metrics"][key], rel=1e-5, abs=1e-7), key
+    for name, value in off["params"].items():
+        torch.testing.assert_close(on["params"][name], value, atol=1e-6, rtol=0)
+
+
+def test_gradient_checkpointing_one_and_two_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    one = update_with_and_without_checkpointing(0, 1, free_port(), str(tiny_model_dir),
+                                                str(tmp_path / "one"))
+    assert_checkpointing_changes_nothing(one)
+    two = run_ranks(2, update_with_and_without_checkpointing, str(tiny_model_dir),
+                    str(tmp_path / "two"), tmp=tmp_path)
+    for rank in two:
+        assert_checkpointing_changes_nothing(rank)

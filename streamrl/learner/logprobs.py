@@ -1,0 +1,196 @@
+"""Per-token log-probs (and entropies) of response tokens without the [tokens x vocab] logits.
+
+Parts:
+- ``token_log_probs``: hidden states [.., H] + LM head weight [V, H] -> log-probs (entropies)
+  of ``logits / temperature``. The one place a backend is chosen: liger-kernel's fused linear
+  scaled cross-entropy on CUDA when it is installed (never required), else
+  ``algos.chunked_log_probs`` (chunks of tokens, softmax recomputed in backward).
+- ``head_log_probs``: one model forward whose LM head yields log-probs instead of logits.
+- ``policy_log_probs``: ``forward.policy_forward``'s contract ((log_probs, entropy) on the
+  padded [n, R] response grid, zeros on padding, packed or padded layout) through
+  ``head_log_probs``.
+
+Why hooks on the LM head, not a forward of the backbone plus ``lm_head.weight``: under FSDP2 the
+root ``fully_shard`` unit (embeddings, final norm, head; tied weights are one parameter) is
+unsharded only inside the root module's forward, by its pre-forward hook, and its pre-backward
+hook fires on the root's outputs. So the head's input is taken in a forward pre-hook (the head
+then multiplies an empty slice), the log-probs are computed right there from the unsharded
+``module.weight``, and a forward hook returns them as the model's ``logits`` [.., L, 1 or 2].
+They are a root output, so FSDP re-gathers the head weight before their backward wherever it
+resharded, and the head weight's gradient is reduce-scattered with the rest of the root unit.
+Models that post-process logits after the head (soft-capping, scaling) or whose head is not a
+bias-free ``nn.Linear`` take the logits path: full logits from the model, then
+``algos.chunked_log_probs`` on them (no fp32 copy, no softmax kept; the logits and their
+gradient remain one [T, V] each).
+Depends on algos, batch (via the micro-batch) and forward's ``MicroBatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from streamrl import algos
+from streamrl.learner.forward import MicroBatch
+
+log = logging.getLogger(__name__)
+
+CHUNK_ELEMENTS = 2**25
+"""Logits per chunk of the torch backend (128 MiB in fp32; backward holds about three chunks):
+682 tokens at V = 49k, 220 at V = 152k."""
+
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""HF config fields of models that change the head's output before returning it as logits."""
+
+_BACKENDS: dict[str, Any] = {}
+"""device type -> liger's function, or None for the torch backend (decided on first use)."""
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+def _liger(device_type: str) -> Any:
+    """liger-kernel's ``LigerFusedLinearScaledCrossEntropyFunction`` (>= 0.8.3) on CUDA, else
+    None."""
+    if device_type not in _BACKENDS:
+        _BACKENDS[device_type] = None
+        if device_type == "cuda":
+            try:
+                from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyFunction
+            except ImportError:
+                pass
+            else:
+                _BACKENDS[device_type] = LigerFusedLinearScaledCrossEntropyFunction
+    return _BACKENDS[device_type]
+
+
+def token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(log_softmax(hidden @ weight.T / temperature)[label], entropy or None), each
+    ``labels.shape`` fp32; the entropy carries gradients only with ``entropy_grad``."""
+    liger = _liger(hidden.device.type)
+    if liger is not None:
+        try:
+            out = liger.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                              labels.reshape(-1).long(), float(temperature), -100, 1,
+                              with_entropy)
+        except ImportError as exc:  # e.g. its SM90 kernel without the cutedsl extra
+            log.warning("liger-kernel unusable (%s); log-probs use the torch backend", exc)
+            _BACKENDS[hidden.device.type] = None
+        else:
+            nll, entropy = out if with_entropy else (out, None)
+            if entropy is not None:
+                entropy = (entropy if entropy_grad else entropy.detach()).float()
+                entropy = entropy.reshape(labels.shape)
+            return (-nll).float().reshape(labels.shape), entropy
+    return algos.chunked_log_probs(
+        hidden, labels, weight, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, chunk_rows=_chunk_rows(weight.shape[0]),
+    )
+
+
+def fused_head(model: nn.Module) -> nn.Linear | None:
+    """The model's LM head when ``head_log_probs`` may compute log-probs in it, else None."""
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if type(head) is not nn.Linear or head.bias is not None:
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, key, None) for key in _LOGIT_POSTPROCESSING):
+        return None
+    return head
+
+
+def head_log_probs(
+    model: nn.Module,
+    labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    **model_inputs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """``model(**model_inputs)`` with the LM head's [.., L, H] input turned into log-probs of
+    ``labels`` [.., L] (and entropies), never materialising the [.., L, V] logits."""
+    kw = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    head = fused_head(model)
+    if head is None:
+        logits = model(**model_inputs).logits
+        return algos.chunked_log_probs(logits, labels, chunk_rows=_chunk_rows(logits.shape[-1]),
+                                       **kw)
+    computed: list[Tensor] = []
+
+    def take_hidden(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        log_probs, entropy = token_log_probs(hidden, module.weight, labels, **kw)
+        # A new tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.
+        computed.append(torch.stack([log_probs] if entropy is None else [log_probs, entropy], -1))
+        return (hidden[..., :0, :], *args[1:])  # the head itself multiplies nothing
+
+    def give_log_probs(module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+        return computed[-1]
+
+    hooks = [head.register_forward_pre_hook(take_hidden),
+             head.register_forward_hook(give_log_probs)]
+    try:
+        out = model(**model_inputs).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if len(computed) != 1 or out is not computed[0]:
+        raise RuntimeError(f"{type(model).__name__} changes its LM head's output before returning "
+                           "logits; add the config field that says so to _LOGIT_POSTPROCESSING")
+    entropy = None
+    if with_entropy:  # one output tensor: keep a metric entropy out of the graph
+        entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
+    return out[..., 0], entropy
+
+
+def policy_log_probs(
+    model: nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions: the numbers
+    of ``forward.policy_forward`` (log-probs of ``logits / temperature``), computed in the head.
+    """
+    kw = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    if mb.packed:
+        pb = mb.batch.pack(mb.rows).to(device)
+        keep = pb.predict_mask[0].nonzero().squeeze(-1)
+        log_probs, entropy = head_log_probs(
+            model, pb.targets[:, keep], input_ids=pb.input_ids, position_ids=pb.position_ids,
+            use_cache=False, logits_to_keep=keep, **pb.attention_kwargs, **kw,
+        )
+
+        def unpack(values: Tensor) -> Tensor:
+            return pb.unpack_response(values.new_zeros(pb.num_tokens).index_put((keep,), values[0]))
+
+        return unpack(log_probs), (unpack(entropy) if entropy is not None else None)
+    responses = mb.column("responses", device)
+    width = responses.shape[1]
+    # The head sees the last width + 1 positions; the last predicts nothing (label 0, dropped).
+    log_probs, entropy = head_log_probs(
+        model, F.pad(responses, (0, 1)), input_ids=mb.column("input_ids", device),
+        attention_mask=mb.column("attention_mask", device),
+        position_ids=mb.column("position_ids", device), use_cache=False,
+        logits_to_keep=width + 1, **kw,
+    )
+    valid = mb.column("attention_mask", device)[:, -width:].to(log_probs.dtype)
+    log_probs = log_probs[:, :-1] * valid
+    return log_probs, (entropy[:, :-1] * valid if entropy is not None else None)
