@@ -1,7 +1,8 @@
 """One model forward on one micro-batch, with results on the padded [n, R] response grid.
 
 Parts:
-- ``policy_forward``: next-token log-probs (and optionally entropies) of the response tokens.
+- ``MicroBatch``: rows of a batch as one forward's input (``logprobs.policy_log_probs`` takes
+  one for the policy's log-probs, computed in the LM head).
 - ``value_forward``: per-token values of a value model (the state before each response token).
 - ``gather_rows``: every rank's rows of a [B, R] result assembled on all ranks.
 
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from streamrl import algos
 from streamrl.batch import Batch
 
 
@@ -48,63 +48,6 @@ class MicroBatch:
         idx = torch.tensor(self.rows, device=self.batch.tensors[key].device)
         out = self.batch.tensors[key][idx].to(device)
         return torch.zeros_like(out) if self.dummy and key == "response_mask" else out
-
-
-def _packed_inputs(mb: MicroBatch, device: torch.device):
-    pb = mb.batch.pack(mb.rows).to(device)
-    keep = pb.predict_mask[0].nonzero().squeeze(-1)
-    return pb, keep
-
-
-def _scatter(values: Tensor, keep: Tensor, total: int) -> Tensor:
-    """Values at the kept positions placed into a [total] vector (zeros elsewhere)."""
-    return values.new_zeros(total).index_put((keep,), values)
-
-
-def policy_forward(
-    model: nn.Module,
-    mb: MicroBatch,
-    device: torch.device,
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions.
-
-    Logits are divided by the sampling ``temperature`` first, so the log-probs are those of the
-    distribution the rollout sampled from (as verl).
-    """
-    if mb.packed:
-        pb, keep = _packed_inputs(mb, device)
-        logits = model(
-            input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False,
-            logits_to_keep=keep, **pb.attention_kwargs,
-        ).logits[0]
-        logits = logits / temperature if temperature != 1.0 else logits
-        total = pb.num_tokens
-        log_probs = pb.unpack_response(
-            _scatter(algos.logprobs_from_logits(logits, pb.targets[0, keep]), keep, total)
-        )
-        entropy = (
-            pb.unpack_response(_scatter(algos.entropy_from_logits(logits), keep, total))
-            if with_entropy else None
-        )
-        return log_probs, entropy
-    responses = mb.column("responses", device)
-    width = responses.shape[1]
-    logits = model(
-        input_ids=mb.column("input_ids", device),
-        attention_mask=mb.column("attention_mask", device),
-        position_ids=mb.column("position_ids", device),
-        use_cache=False,
-        logits_to_keep=width + 1,
-    ).logits[:, :-1]
-    logits = logits / temperature if temperature != 1.0 else logits
-    log_probs = algos.logprobs_from_logits(logits, responses)
-    entropy = algos.entropy_from_logits(logits) if with_entropy else None
-    # Zero the padding positions, as the packed layout does, so both layouts agree exactly.
-    valid = mb.column("attention_mask", device)[:, -width:].to(log_probs.dtype)
-    return log_probs * valid, (entropy * valid if entropy is not None else None)
 
 
 def value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Tensor:

@@ -6,9 +6,8 @@ Parts:
   scaled cross-entropy on CUDA when it is installed (never required), else
   ``algos.chunked_log_probs`` (chunks of tokens, softmax recomputed in backward).
 - ``head_log_probs``: one model forward whose LM head yields log-probs instead of logits.
-- ``policy_log_probs``: ``forward.policy_forward``'s contract ((log_probs, entropy) on the
-  padded [n, R] response grid, zeros on padding, packed or padded layout) through
-  ``head_log_probs``.
+- ``policy_log_probs``: (log_probs, entropy) of a micro-batch's response tokens on the padded
+  [n, R] response grid, zeros on padding, packed or padded layout, through ``head_log_probs``.
 
 Why hooks on the LM head, not a forward of the backbone plus ``lm_head.weight``: under FSDP2 the
 root ``fully_shard`` unit (embeddings, final norm, head; tied weights are one parameter) is
@@ -166,9 +165,9 @@ def policy_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions: the numbers
-    of ``forward.policy_forward`` (log-probs of ``logits / temperature``), computed in the head.
-    """
+    """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions: log-probs
+    of ``logits / temperature`` (the distribution the rollout sampled from, as verl),
+    computed in the head."""
     kw = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
     if mb.packed:
         pb = mb.batch.pack(mb.rows).to(device)

@@ -12,7 +12,7 @@ The loop, on every rank::
 
 Everything heavy is the RL learner's own: ``fsdp`` (process group, ``parallelize``, model
 loading), ``optim`` (AdamW + schedule), ``update_loop.run_update`` (global token normalisation
-over ranks, grad clipping, non-finite steps skipped), ``forward.policy_forward`` (log-probs of
+over ranks, grad clipping, non-finite steps skipped), ``logprobs.policy_log_probs`` (log-probs of
 the "response", here every token after the first) and ``checkpoint`` (DCP, HF export). An SFT
 batch is a ``Batch`` whose response is the whole conversation but its first token and whose
 ``response_mask`` is the assistant mask, so the actor's loss path needs no SFT variant.
@@ -34,7 +34,7 @@ from streamrl.batch import Batch
 from streamrl.data.sft import SFTExample, collate, load_sft_examples
 from streamrl.errors import ConfigError
 from streamrl.learner import checkpoint as ckpt
-from streamrl.learner.forward import MicroBatch, policy_forward
+from streamrl.learner.forward import MicroBatch
 from streamrl.learner.fsdp import (
     MeshSpec,
     init_distributed,
@@ -42,6 +42,7 @@ from streamrl.learner.fsdp import (
     parallelize,
     resolve_device,
 )
+from streamrl.learner.logprobs import policy_log_probs
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
 from streamrl.learner.update_loop import Counts, MetricAccumulator, run_update
 from streamrl.models import padding_id, resolve_model_path
@@ -131,7 +132,7 @@ class SFTTrainer:
     # ---- training ----------------------------------------------------------------------------
     def _micro_loss(self, mb: MicroBatch, counts: Counts, metrics: MetricAccumulator
                     ) -> torch.Tensor:
-        log_probs, _ = policy_forward(self.model, mb, self.device)
+        log_probs, _ = policy_log_probs(self.model, mb, self.device)
         mask = mb.column("response_mask", self.device)
         loss = algos.agg_loss(-log_probs, mask, "token-mean", num_tokens=counts.tokens)
         metrics.add_sum("sft/loss", float(loss.detach()))

@@ -12,8 +12,9 @@ import torch
 from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.learner.actor import policy_loss_config
-from streamrl.learner.forward import MicroBatch, policy_forward, value_forward
+from streamrl.learner.forward import MicroBatch, value_forward
 from streamrl.learner.fsdp import load_causal_lm, load_value_model
+from streamrl.learner.logprobs import policy_log_probs
 from streamrl.learner.optim import lr_factor
 from streamrl.learner.worker import LearnerWorker
 from tests.support.learner import free_port, make_batch, make_config, with_advantages
@@ -38,15 +39,15 @@ def test_packed_and_padded_forward_agree(tiny_model_dir: Path) -> None:
     batch = make_batch(3, 4, seed=3)
     rows = [0, 2, 5, 7, 11]
     model = load_causal_lm(tiny_model_dir, CPU)
-    packed = policy_forward(model, MicroBatch.of(batch, rows, True), CPU, with_entropy=True)
-    padded = policy_forward(model, MicroBatch.of(batch, rows, False), CPU, with_entropy=True)
+    packed = policy_log_probs(model, MicroBatch.of(batch, rows, True), CPU, with_entropy=True)
+    padded = policy_log_probs(model, MicroBatch.of(batch, rows, False), CPU, with_entropy=True)
     valid = batch["attention_mask"][rows, -batch["responses"].shape[1]:].bool()
     assert valid.sum() > 20 and (~valid).any()  # ragged: both layouts see padding
     torch.testing.assert_close(packed[0], padded[0], atol=2e-5, rtol=0)
     torch.testing.assert_close(packed[1], padded[1], atol=2e-5, rtol=0)
     assert (packed[0][~valid] == 0).all() and (packed[0][valid] < 0).all()
     # Without the block-diagonal mask, later sequences would attend to earlier ones.
-    solo = policy_forward(model, MicroBatch.of(batch, [rows[-1]], True), CPU)[0]
+    solo = policy_log_probs(model, MicroBatch.of(batch, [rows[-1]], True), CPU)[0]
     torch.testing.assert_close(packed[0][-1:], solo, atol=2e-5, rtol=0)
     critic = load_value_model(tiny_model_dir, CPU)
     torch.nn.init.normal_(critic.score.weight)

@@ -1,4 +1,4 @@
-"""Log-probs computed in the LM head (learner/logprobs.py) equal forward.policy_forward's, under
+"""Log-probs computed in the LM head (learner/logprobs.py) equal the full logits', under
 FSDP2 too, without saving a [tokens x vocab] tensor; the backend choice and its fallbacks."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 
 from streamrl import algos
 from streamrl.learner import logprobs
-from streamrl.learner.forward import MicroBatch, policy_forward
+from streamrl.learner.forward import MicroBatch
 from streamrl.learner.fsdp import load_causal_lm
 from streamrl.learner.logprobs import head_log_probs, policy_log_probs, token_log_probs
 from streamrl.learner.worker import LearnerWorker
-from tests.support.learner import free_port, make_batch, make_config
+from tests.support.learner import free_port, logits_policy_forward, make_batch, make_config
 
 CPU = torch.device("cpu")
 ROWS = [0, 2, 5, 7, 11]
@@ -31,14 +31,14 @@ def forward_and_grads(fn, model, mb: MicroBatch, **kw) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_head_log_probs_equal_policy_forward_under_fsdp2(tiny_model_dir: Path, tmp_path: Path,
+def test_head_log_probs_equal_the_full_logits_under_fsdp2(tiny_model_dir: Path, tmp_path: Path,
                                                          packed: bool) -> None:
     worker = LearnerWorker(make_config(tiny_model_dir, tmp_path), 0, 1, "127.0.0.1", free_port())
     model = worker.actor.model  # fully_shard'ed: lm_head.weight (tied) is a DTensor here
     assert type(model.lm_head.weight).__name__ == "DTensor"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     mb = MicroBatch.of(make_batch(3, 4, seed=3), ROWS, packed)
-    want = forward_and_grads(policy_forward, model, mb)
+    want = forward_and_grads(logits_policy_forward, model, mb)
     got = forward_and_grads(policy_log_probs, model, mb, entropy_grad=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -71,14 +71,14 @@ def test_head_log_probs_save_no_vocab_sized_tensor(tiny_model_dir: Path) -> None
             fn(model, mb, CPU, temperature=0.7, with_entropy=True)
         return shapes
 
-    assert any(vocab in s for s in saved_shapes(policy_forward))  # the logits' path does
+    assert any(vocab in s for s in saved_shapes(logits_policy_forward))  # the logits' path does
     assert not any(vocab in s for s in saved_shapes(policy_log_probs))
 
 
 def test_models_that_change_logits_after_the_head(tiny_model_dir: Path) -> None:
     model = load_causal_lm(tiny_model_dir, CPU)
     mb = MicroBatch.of(make_batch(2, 4, seed=1), [0, 3, 6], True)
-    want = policy_forward(model, mb, CPU, temperature=0.7)[0]
+    want = logits_policy_forward(model, mb, CPU, temperature=0.7)[0]
     model.config.final_logit_softcapping = 30.0  # as Gemma 2: the logits path is taken
     assert logprobs.fused_head(model) is None
     torch.testing.assert_close(policy_log_probs(model, mb, CPU, temperature=0.7)[0], want)

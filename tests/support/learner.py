@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from streamrl import algos
 from streamrl.batch import Batch
 from streamrl.config import Config, replace, validate
+from streamrl.learner.forward import MicroBatch
 from streamrl.net import free_port
 from streamrl.testing import random_groups
 
@@ -72,3 +74,53 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, tmp: Path) -> list
     torch.multiprocessing.spawn(_rank_main, args=(world, port, fn, args, out), nprocs=world,
                                 join=True)
     return [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(world)]
+
+
+def logits_policy_forward(
+    model: nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """The reference: (log_probs, entropy or None) from the model's full logits (what
+    ``logprobs.policy_log_probs`` computes in the LM head), each [n, R] fp32, zeros on padding.
+
+    Logits are divided by the sampling ``temperature`` first, so the log-probs are those of the
+    distribution the rollout sampled from (as verl).
+    """
+    if mb.packed:
+        pb = mb.batch.pack(mb.rows).to(device)
+        keep = pb.predict_mask[0].nonzero().squeeze(-1)
+        logits = model(
+            input_ids=pb.input_ids, position_ids=pb.position_ids, use_cache=False,
+            logits_to_keep=keep, **pb.attention_kwargs,
+        ).logits[0]
+        logits = logits / temperature if temperature != 1.0 else logits
+        total = pb.num_tokens
+        log_probs = pb.unpack_response(
+            logits.new_zeros(total).index_put((keep,), algos.logprobs_from_logits(
+                logits, pb.targets[0, keep]))
+        )
+        entropy = (
+            pb.unpack_response(logits.new_zeros(total).index_put(
+                (keep,), algos.entropy_from_logits(logits)))
+            if with_entropy else None
+        )
+        return log_probs, entropy
+    responses = mb.column("responses", device)
+    width = responses.shape[1]
+    logits = model(
+        input_ids=mb.column("input_ids", device),
+        attention_mask=mb.column("attention_mask", device),
+        position_ids=mb.column("position_ids", device),
+        use_cache=False,
+        logits_to_keep=width + 1,
+    ).logits[:, :-1]
+    logits = logits / temperature if temperature != 1.0 else logits
+    log_probs = algos.logprobs_from_logits(logits, responses)
+    entropy = algos.entropy_from_logits(logits) if with_entropy else None
+    # Zero the padding positions, as the packed layout does, so both layouts agree exactly.
+    valid = mb.column("attention_mask", device)[:, -width:].to(log_probs.dtype)
+    return log_probs * valid, (entropy * valid if entropy is not None else None)
