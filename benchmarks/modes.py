@@ -104,22 +104,25 @@ def reached(run: Run, threshold: float) -> tuple[float, int] | None:
     return (float(run.wall[hits[0]]), int(run.steps[hits[0]])) if hits.size else None
 
 
-def watch(controller: Controller, run_dir: str, deadline: float, done: threading.Event) -> None:
-    """Stop the run once its rolling reward has crossed the last threshold, or at the deadline.
-    It reads ``metrics.jsonl`` as ``streamrl report`` would, so the stop rule is the measure."""
+def watch(controller: Controller, run_dir: str, deadline: float, done: threading.Event,
+          last: float) -> None:
+    """Stop the run once its rolling reward has crossed ``last``, or at the deadline. It reads
+    ``metrics.jsonl`` as ``streamrl report`` would, so the stop rule is the measure."""
     while not done.wait(WATCH_S):
         if time.monotonic() > deadline:
             break
         try:
-            if reached(load_run(run_dir), THRESHOLDS[-1]) is not None:
+            if reached(load_run(run_dir), last) is not None:
                 break
         except ReportError:  # no step logged yet
             continue
     controller.stop()
 
 
-def measure(variant: str, mode: str, seed: int, args: argparse.Namespace, run_dir: str
-            ) -> RunResult:
+def measure(variant: str, mode: str, seed: int, args: argparse.Namespace, run_dir: str,
+            thresholds: tuple[float, ...] = THRESHOLDS) -> RunResult:
+    """One run (``args``: max_steps, run_timeout, warmup, overrides), stopped once its rolling
+    reward crosses the last of ``thresholds``."""
     base = load_config([f"trainer.mode={mode}", *args.overrides])
     cfg = load_config([
         f"trainer.mode={mode}", f"trainer.total_steps={args.max_steps}",
@@ -131,7 +134,7 @@ def measure(variant: str, mode: str, seed: int, args: argparse.Namespace, run_di
         controller = Controller(cfg, runtime)
         done = threading.Event()
         watcher = threading.Thread(target=watch, daemon=True, args=(
-            controller, run_dir, time.monotonic() + args.run_timeout, done))
+            controller, run_dir, time.monotonic() + args.run_timeout, done, thresholds[-1]))
         watcher.start()
         try:
             controller.fit()
@@ -143,7 +146,7 @@ def measure(variant: str, mode: str, seed: int, args: argparse.Namespace, run_di
     step_s = sum(row["timing_s/step"] for row in steady)
     return RunResult(
         variant, mode, seed, steps=len(run.rows), wall_s=float(run.wall[-1]),
-        reached={str(t): reached(run, t) for t in THRESHOLDS},
+        reached={str(t): reached(run, t) for t in thresholds},
         traj_per_s=len(steady) * cfg.task.train_batch_size * cfg.rollout.n / step_s,
         phases={name: statistics.fmean(row[key] for row in steady)
                 for name, key in PHASES.items()},
