@@ -358,6 +358,11 @@ class LearnerConfig:
     """FSDP2 ranks (gloo on CPU, NCCL on GPU)."""
     device: str = "auto"
     """auto | cpu | cuda"""
+    mixed_precision: str = "auto"
+    """auto | bf16 | fp32. bf16: forward and backward in bf16 with fp32 master weights, fp32
+    optimizer state and fp32 gradient reduction (FSDP2 ``MixedPrecisionPolicy``); log-probs
+    and losses stay fp32. auto: bf16 on CUDA, fp32 on CPU. On CPUs with bf16 matmul units
+    bf16 is faster too (docs/real-models.md, "Learner precision and threads")."""
     seed: int = 0
     offload: bool = False
     """Co-located sync runs (weight_bus.backend=colocated): move parameters, gradients and
@@ -614,6 +619,7 @@ def validate(cfg: Config) -> Config:
         _check_choice(f"runtime.{pool}.strategy", getattr(cfg.runtime, pool).strategy,
                       PLACEMENT_STRATEGIES)
     _check_choice("learner.device", cfg.learner.device, ("auto", "cpu", "cuda"))
+    _check_choice("learner.mixed_precision", cfg.learner.mixed_precision, ("auto", "bf16", "fp32"))
     _check_choice("actor.optim.lr_schedule", cfg.actor.optim.lr_schedule, ("constant", "cosine"))
     _check_choice("critic.optim.lr_schedule", cfg.critic.optim.lr_schedule, ("constant", "cosine"))
     for sink in cfg.trainer.logger:

@@ -3,7 +3,8 @@
 Parts:
 - ``init_distributed``: join (or reuse) the learner's process group; gloo on CPU, NCCL on GPU.
 - ``MeshSpec`` + ``parallelize``: the one place parallelism is composed, in a fixed order
-  (activation checkpointing, then ``fully_shard`` on each decoder layer, then on the root).
+  (activation checkpointing, then ``fully_shard`` on each decoder layer, then on the root);
+  ``mixed_precision`` (``learner.mixed_precision``) decides its bf16 compute.
 - ``load_causal_lm`` / ``load_value_model``: HF models from a local directory, fp32 masters.
 - ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus
   (``HandedOver`` when every one is new memory).
@@ -90,7 +91,9 @@ class MeshSpec:
     dp_shard: int
     device_type: str = "cpu"
     mixed_precision: bool = False
-    """bf16 params/activations with fp32 gradient reduction (GPU); fp32 throughout otherwise."""
+    """bf16 params/activations with fp32 gradient reduction, fp32 master weights (the sharded
+    parameters, hence the optimizer state); fp32 throughout otherwise. Works on CPU (gloo) as
+    on GPU."""
     gradient_checkpointing: bool = False
 
     def build_mesh(self) -> DeviceMesh:
@@ -100,6 +103,17 @@ class MeshSpec:
                 f"{dist.get_world_size()} ranks"
             )
         return init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp",))
+
+
+def mixed_precision(choice: str, device: torch.device) -> bool:
+    """Whether ``learner.mixed_precision`` (auto | bf16 | fp32) means bf16 compute on
+    ``device``; auto: on CUDA only (a CPU gains from bf16 only with bf16 matmul units, e.g.
+    AVX512-BF16 / AMX, so a preset opts in where it measured a gain)."""
+    if choice == "auto":
+        return device.type == "cuda"
+    if choice not in ("bf16", "fp32"):
+        raise ValueError(f"learner.mixed_precision={choice!r}: must be one of auto, bf16, fp32")
+    return choice == "bf16"
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -116,6 +130,10 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
     1. activation checkpointing (HF's, non-reentrant; it must see the unsharded layer forward),
     2. ``fully_shard`` on every decoder layer (its params are gathered just for its forward),
     3. ``fully_shard`` on the root (embeddings, final norm, head; tied weights stay together).
+
+    With ``spec.mixed_precision`` every unit gathers its parameters as bf16 copies for forward
+    and backward (its layer inputs cast to bf16), reduces gradients in fp32 into the fp32
+    shards, and the optimizer steps those: the model's ``parameters()`` stay fp32.
     """
     mesh = spec.build_mesh()
     if spec.gradient_checkpointing:

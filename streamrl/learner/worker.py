@@ -39,6 +39,7 @@ from streamrl.learner.fsdp import (
     iter_full_parameters,
     load_causal_lm,
     load_value_model,
+    mixed_precision,
     parallelize,
     resolve_device,
 )
@@ -66,7 +67,7 @@ class LearnerWorker:
         spec = MeshSpec(
             dp_shard=world_size,
             device_type=self.device.type,
-            mixed_precision=self.device.type == "cuda",
+            mixed_precision=mixed_precision(cfg.learner.mixed_precision, self.device),
             gradient_checkpointing=cfg.model.gradient_checkpointing,
         )
         self.micro_batching = MicroBatching(

@@ -27,8 +27,9 @@ from streamrl.net import free_port, interface_of, node_host
 from streamrl.runtime.placement import (
     engine_in_process,
     freeze_startup_heap,
-    pin_to_core,
+    pin_role,
     pins_cpus,
+    threads_per,
 )
 from streamrl.runtime.supervisor import holder_name
 
@@ -55,11 +56,19 @@ class LearnerActor:
         return self.host, port
 
     def start(self, master_addr: str, master_port: int) -> None:
+        """Join the FSDP group on this rank's cores: ``threads_per(cfg, "learner")`` torch
+        threads, pinned to as many cores of its own (``runtime.pin_cpus``). A hybrid worker
+        (``weight_bus.backend=colocated``) calls this on its learner thread, whose threads and
+        cores it sets itself."""
+        import torch
+
         from streamrl.learner.worker import LearnerWorker
         from streamrl.weight_bus import make_publisher
 
         if pins_cpus(self.cfg):
-            pin_to_core(self.rank)
+            pin_role(self.cfg, "learner", self.rank)
+        if self.cfg.weight_bus.backend != "colocated":
+            torch.set_num_threads(threads_per(self.cfg, "learner"))
         if self.cfg.runtime.address is not None and "GLOO_SOCKET_IFNAME" not in os.environ:
             # gloo binds where the hostname resolves (often loopback): use the node's interface.
             interface = interface_of(self.host)
@@ -179,7 +188,7 @@ class ReplicaActor:
         cfg = self.cfg
         cores = os.sched_getaffinity(0)
         if pins_cpus(cfg):
-            pin_to_core(cfg.learner.world_size + self.index)
+            pin_role(cfg, "replica", self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = self._make_engine()  # its engine thread or process keeps this core
         if pins_cpus(cfg) and cfg.buffer.max_staleness == 0:

@@ -7,7 +7,9 @@
   by its ``runtime.<pool>`` strategy (PACK / SPREAD ...) and node labels,
 - ``check_fits(cfg)``: before Ray starts, that the pools fit the local cluster's CPUs,
 - ``in_bundle(pg, i)``: the scheduling strategy that puts an actor in bundle i,
-- ``pins_cpus(cfg)``, ``pin_to_core(slot, width)``: core pinning (``runtime.pin_cpus``),
+- ``threads_per(cfg, role)``: the torch threads of a learner rank or a replica (its CPUs),
+- ``pins_cpus(cfg)``, ``pin_role(cfg, role, index)``, ``pin_to_core(slot, width)``: core
+  pinning (``runtime.pin_cpus``),
 - ``engine_in_process(cfg)``: whether a replica steps vLLM on a thread of its own process
   (``rollout.engine_in_process``),
 - ``freeze_startup_heap()``: keep what a long-lived process built at start-up out of GC passes.
@@ -191,11 +193,35 @@ def engine_in_process(cfg: Config) -> bool:
             and not torch.cuda.is_available())
 
 
+def threads_per(cfg: Config, role: str) -> int:
+    """Torch (OpenMP) threads of one ``role`` ("learner" rank or "replica"): the whole CPUs
+    its bundle reserves, ``runtime.cpus_per_<role>`` rounded, at least 1 (fractions share a
+    core). Set explicitly: a worker's environment says ``OMP_NUM_THREADS=1`` (``WORKER_ENV``)."""
+    return max(1, round(getattr(cfg.runtime, f"cpus_per_{role}")))
+
+
+def pin_role(cfg: Config, role: str, index: int) -> None:
+    """Bind learner rank ``index`` (``role`` "learner") or replica ``index`` ("replica") to
+    ``threads_per(cfg, role)`` cores of its own: the learner ranks' runs of cores first, then
+    the replicas' (modulo the cores this process may use). One thread each: rank r on core r,
+    replica i on core world_size + i."""
+    width = threads_per(cfg, role)
+    if role == "learner":
+        first = index * width
+    else:
+        first = cfg.learner.world_size * threads_per(cfg, "learner") + index * width
+    _pin(first, width)
+
+
 def pin_to_core(slot: int, width: int = 1) -> None:
     """Bind this process (and the engine processes it starts later) to ``width`` cores: the
     ``slot``-th run of them (modulo the cores it may use)."""
+    _pin(slot * width, width)
+
+
+def _pin(first: int, width: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[(slot * width + i) % len(cores)] for i in range(width)})
+    os.sched_setaffinity(0, {cores[(first + i) % len(cores)] for i in range(width)})
 
 
 def freeze_startup_heap() -> None:
