@@ -1053,8 +1053,8 @@ def _check_model_preset(cfg: Config, overrides: dict[str, str]) -> None:
         if vocab <= TOY_VOCAB:
             return
         what = f"a pretrained model (vocabulary {vocab})"
-    elif Path(path).expanduser().exists():
-        return
+    elif Path(path).expanduser().exists() or path.startswith(("/", ".", "~")):
+        return  # a directory that is no model, or no directory: resolve_model_path says so
     else:
         what = "a hub model"
     left = ", ".join(f"{k}={_lookup(cfg, k)}" for k in TOY_KEYS if k not in overrides)
