@@ -5,7 +5,12 @@ Parts:
 - ``MeshSpec`` + ``parallelize``: the one place parallelism is composed, in a fixed order
   (activation checkpointing, then ``fully_shard`` on each decoder layer, then on the root);
   ``mixed_precision`` (``learner.mixed_precision``) decides its bf16 compute.
-- ``load_causal_lm`` / ``load_value_model``: HF models from a local directory, fp32 masters.
+- ``load_causal_lm`` / ``load_value_model``: HF models from a local directory, fp32 masters;
+  on the meta device they build the architecture from ``config.json`` and read no weights.
+- ``load_sharded``: load + ``parallelize``, the checkpoint read by rank 0 alone. With more than one
+  rank, rank 0 loads the full model; the others build it on meta, shard it, allocate only their
+  shards and receive them (and every buffer) by broadcast from rank 0, so no rank but 0 ever
+  holds the full model. Tied embeddings stay one parameter (checked).
 - ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus
   (``HandedOver`` when every one is new memory).
 
@@ -18,13 +23,15 @@ Depends on torch, transformers and the weight bus's protocol (``weight_bus.base`
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -154,12 +161,20 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
 _LOAD_KWARGS: dict[str, object] = {"dtype": torch.float32,
                                    "attn_implementation": varlen_attention.IMPLEMENTATION}
 
+META = torch.device("meta")
+
+ModelLoader = Callable[[str | os.PathLike[str], torch.device], nn.Module]
+"""``load_causal_lm`` or ``load_value_model``: on the ``meta`` device it builds the architecture
+from ``config.json`` alone and reads no weights."""
+
 
 def load_causal_lm(path: str | os.PathLike[str], device: torch.device) -> nn.Module:
-    """An HF causal LM from a local directory, fp32, on ``device``."""
-    from transformers import AutoModelForCausalLM
+    """An HF causal LM from a local directory, fp32, on ``device`` (``META``: no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     varlen_attention.register()
+    if device == META:
+        return _on_meta(AutoModelForCausalLM, AutoConfig.from_pretrained(str(path)))
     model = AutoModelForCausalLM.from_pretrained(str(path), **_LOAD_KWARGS)
     return model.to(device)
 
@@ -167,13 +182,16 @@ def load_causal_lm(path: str | os.PathLike[str], device: torch.device) -> nn.Mod
 def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.Module:
     """A causal LM backbone with a scalar head (``AutoModelForTokenClassification``,
     ``num_labels=1``, as verl's critic): the head is freshly initialised to zero so every value
-    starts at 0, and the whole thing still exports as an HF model."""
+    starts at 0, and the whole thing still exports as an HF model. ``META``: no weights read
+    (the zero head then comes with the loading rank's state dict)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(str(path))
     config.num_labels = 1
     config.classifier_dropout = 0.0  # the head's default dropout (0.1) would make values noisy
     varlen_attention.register()
+    if device == META:
+        return _on_meta(AutoModelForTokenClassification, config)
     model = AutoModelForTokenClassification.from_pretrained(
         str(path), config=config, **_LOAD_KWARGS
     )
@@ -182,6 +200,57 @@ def load_value_model(path: str | os.PathLike[str], device: torch.device) -> nn.M
     if head.bias is not None:
         nn.init.zeros_(head.bias)
     return model.to(device)
+
+
+def _on_meta(auto_class: Any, config: Any) -> nn.Module:
+    """The architecture with meta tensors: no memory, no checkpoint read; ties as loaded."""
+    with META:
+        return auto_class.from_config(config, **_LOAD_KWARGS)
+
+
+def load_sharded(
+    load: ModelLoader, path: str | os.PathLike[str], device: torch.device, spec: MeshSpec
+) -> nn.Module:
+    """``parallelize(load(path, device), spec)``, with the checkpoint read by rank 0 only.
+
+    World size 1 is exactly that. Otherwise rank 0 loads the full model and keeps its state
+    dict (references, no copy) while ``parallelize`` shards it; the other ranks build the model
+    on ``META``, shard it there and allocate only their shards (``to_empty``). Rank 0 then
+    broadcasts tensor by tensor into every rank's shards (DCP's ``broadcast_from_rank0``) and
+    drops the full tensors; buffers, non-persistent ones (rotary ``inv_freq``) included, are not
+    in the state dict and are broadcast as they are. Peak memory: rank 0 as before, the others
+    their shards plus one full tensor.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return parallelize(load(path, device), spec)
+    rank0 = dist.get_rank() == 0
+    model = load(path, device if rank0 else META)
+    full = model.state_dict() if rank0 else {}
+    parallelize(model, spec)
+    if not rank0:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full
+    _broadcast_buffers(model)
+    _check_ties(model)
+    return model
+
+
+def _broadcast_buffers(model: nn.Module) -> None:
+    """Rank 0's buffers on every rank: ``to_empty`` left them as garbage there."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def _check_ties(model: nn.Module) -> None:
+    """A tied head must still be the embedding's parameter (FSDP2 shards shared ones once)."""
+    config = getattr(model, "config", None)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is None or not getattr(config, "tie_word_embeddings", False):
+        return
+    if output.weight is not model.get_input_embeddings().weight:
+        raise RuntimeError(f"{type(model).__name__}: lm_head is no longer tied to the embedding")
 
 
 def iter_full_parameters(

@@ -38,9 +38,9 @@ from streamrl.learner.fsdp import (
     init_distributed,
     iter_full_parameters,
     load_causal_lm,
+    load_sharded,
     load_value_model,
     mixed_precision,
-    parallelize,
     resolve_device,
 )
 from streamrl.learner.update_loop import sync_max
@@ -76,16 +76,17 @@ class LearnerWorker:
             micro_groups=cfg.micro_batch_groups,
             micro_rows=cfg.actor.ppo_micro_batch_size_per_gpu,
         )
-        actor_model = parallelize(load_causal_lm(self.model_path, self.device), spec)
+        # Rank 0 reads the checkpoint; the other ranks receive their shards (fsdp.load_sharded).
+        actor_model = load_sharded(load_causal_lm, self.model_path, self.device, spec)
         self.actor = Actor(actor_model, cfg, self.plan, self.device)
         self.ref: ReferencePolicy | None = None
         if cfg.use_ref:
             frozen = dataclasses.replace(spec, gradient_checkpointing=False)
-            ref_model = parallelize(load_causal_lm(self.model_path, self.device), frozen)
+            ref_model = load_sharded(load_causal_lm, self.model_path, self.device, frozen)
             self.ref = ReferencePolicy(ref_model, cfg, self.plan, self.device)
         self.critic: Critic | None = None
         if cfg.use_critic:
-            value_model = parallelize(load_value_model(self.model_path, self.device), spec)
+            value_model = load_sharded(load_value_model, self.model_path, self.device, spec)
             self.critic = Critic(value_model, cfg, self.plan, self.device)
         self.version = 0
 

@@ -39,7 +39,7 @@ from streamrl.learner.fsdp import (
     MeshSpec,
     init_distributed,
     load_causal_lm,
-    parallelize,
+    load_sharded,
     resolve_device,
 )
 from streamrl.learner.logprobs import policy_log_probs
@@ -113,7 +113,7 @@ class SFTTrainer:
         spec = MeshSpec(dp_shard=world_size, device_type=self.device.type,
                         mixed_precision=self.device.type == "cuda",
                         gradient_checkpointing=cfg.model.gradient_checkpointing)
-        self.model = parallelize(load_causal_lm(self.model_path, self.device), spec)
+        self.model = load_sharded(load_causal_lm, self.model_path, self.device, spec)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.step = 0
