@@ -18,10 +18,12 @@ from streamrl.config import OptimConfig
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
-    # foreach: a handful of multi-tensor ops per step instead of a dozen per parameter, which
-    # torch picks itself only on CUDA (on CPU, 8 % of a small model's update with FSDP2).
+    # fused: one kernel per parameter that updates it in place, on CPU as on CUDA (torch
+    # picks the foreach path by default, whose multi-tensor ops allocate full-size temporaries
+    # for every parameter at once). Measured on this CPU, one step: 135M parameters 170 ms
+    # fused vs 590-740 ms foreach on 1 thread (90 vs 320-420 ms on 2), 5.8M 6 vs 18-27 ms.
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, fused=True
     )
 
 
