@@ -13,15 +13,34 @@
 Run: ``.venv/bin/python benchmarks/learner.py [--repeats 3]`` (OMP_NUM_THREADS defaults to 1
 here so numbers are comparable on a shared machine; set it yourself to use more cores).
 
+``--model smollm2`` measures the learner at real size instead: SmolLM2-135M-Instruct (the
+``model=smollm2-135m`` preset's checkpoint, ``streamrl data smollm2``) under that preset with
+``--precision fp32|bf16`` and ``--gradient-checkpointing``, on ``--micro-batches`` packed
+micro-batches of ``actor.ppo_max_token_len=4096`` tokens of random ids (rows of 64 prompt + 192
+response tokens), one optimizer step per update. Printed: tokens/s; MFU = 6·N·tokens/s over
+the bf16 FLOP/s of a 2048² matmul on the same threads measured in the same run; the process's
+peak RSS over the timed updates (high-water mark reset after the warm-up, so AdamW's state is
+in it) against the fp32 params + grads + AdamW states (16 bytes per parameter); and the update
+against a bare torch loop (plain HF model, same micro-batches, same precision and checkpointing,
+full-logits log-softmax) on the same batch. Goals (issue 40): peak RSS <= 1.5x the states,
+MFU >= 0.5, update <= 1.05x bare. One process per configuration, e.g.
+
+    OMP_NUM_THREADS=2 flock -x /tmp/heavy.lock .venv/bin/python benchmarks/learner.py \
+        --model smollm2 --precision bf16 --gradient-checkpointing
+
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
-(learner_update_vs_bare_time and learner_dynamic_vs_padded; ``streamrl.testing.result_line``).
+(learner_update_vs_bare_time and learner_dynamic_vs_padded; with ``--model smollm2``:
+learner_smollm2_<precision>[_gc]_{rss_vs_states,mfu,update_vs_bare_time};
+``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -34,7 +53,7 @@ import torch
 
 from streamrl import algos
 from streamrl.batch import Batch
-from streamrl.config import Config, replace, validate
+from streamrl.config import Config, load_config, replace, validate
 from streamrl.learner.fsdp import load_causal_lm
 from streamrl.learner.worker import LearnerWorker
 from streamrl.net import free_port
@@ -46,23 +65,34 @@ PROMPT, RESPONSE = (8, 48), (8, 200)  # ragged: most rows far shorter than the l
 BUDGET = 1024
 
 
-def ragged_batch(seed: int = 0, vocab: int = 300) -> Batch:
+# --model smollm2: rows of 64 + 192 tokens, 16 to a 4096-token micro-batch
+REAL_PROMPT, REAL_RESPONSE, REAL_BUDGET = 64, 192, 4096
+
+
+def ragged_batch(seed: int = 0, vocab: int = 300, groups_n: int = GROUPS,
+                 prompt_len: tuple[int, int] = PROMPT,
+                 response_len: Callable[[random.Random, int], int] | None = None) -> Batch:
     rng = random.Random(seed)
     groups = []
-    for g in range(GROUPS):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*PROMPT))]
+    for g in range(groups_n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))]
         trajs = []
         for i in range(N):
-            # long-tailed response lengths, as RL rollouts have; one row per group runs to
-            # the length cap, so padding is set by the longest row
-            r = RESPONSE[1] if i == 0 else min(RESPONSE[1], max(RESPONSE[0],
-                                                                int(rng.expovariate(1 / 40))))
+            r = (response_len or long_tailed)(rng, i)
             trajs.append(Trajectory(
                 uid=f"{g}-{i}", group_id=f"g{g}", prompt_ids=prompt,
                 response_ids=[rng.randrange(3, vocab) for _ in range(r)], loss_mask=[1] * r,
                 logprobs=[-5.0] * r, versions=[0] * r, reward=rng.random()))
         groups.append(Group(group_id=f"g{g}", trajectories=trajs))
     return Batch.from_groups(groups, 0)
+
+
+def long_tailed(rng: random.Random, i: int) -> int:
+    """Long-tailed response lengths, as RL rollouts have; one row per group runs to the length
+    cap, so padding is set by the longest row."""
+    if i == 0:
+        return RESPONSE[1]
+    return min(RESPONSE[1], max(RESPONSE[0], int(rng.expovariate(1 / 40))))
 
 
 def config(model_dir: Path, out: Path, dynamic: bool, epochs: int = 1) -> Config:
@@ -89,18 +119,26 @@ def update_step(worker: LearnerWorker, batch: Batch) -> Callable[[], None]:
     return lambda: worker.update(prepared)
 
 
-def bare_step(model_dir: Path, batch: Batch, plan: list[list[int]]) -> Callable[[], None]:
-    """Plain HF model, same packed micro-batches: forward, log-probs, backward, AdamW."""
+def bare_step(model_dir: Path, batch: Batch, plan: list[list[int]], bf16: bool = False,
+              checkpointing: bool = False) -> Callable[[], None]:
+    """Plain HF model, same packed micro-batches: forward, log-probs, backward, AdamW; with
+    ``bf16``, forward and backward under CPU autocast (fp32 weights, grads and AdamW)."""
     model = load_causal_lm(model_dir, torch.device("cpu"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     packs = [batch.pack(rows) for rows in plan]
+    precision = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                 else contextlib.nullcontext())
 
     def one_step() -> None:
         opt.zero_grad()
         for pb in packs:
             keep = pb.predict_mask[0].nonzero().squeeze(-1)
-            logits = model(input_ids=pb.input_ids, position_ids=pb.position_ids,
-                           use_cache=False, logits_to_keep=keep).logits[0]
+            with precision:
+                logits = model(input_ids=pb.input_ids, position_ids=pb.position_ids,
+                               use_cache=False, logits_to_keep=keep).logits[0]
             logp = torch.log_softmax(logits.float(), -1).gather(-1, pb.targets[0, keep, None])
             (-logp.mean()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -130,11 +168,100 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def peak_rss_gb() -> float:
+    """This process's resident high-water mark (VmHWM), GB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 2**20  # type: ignore[union-attr]
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0, ``clear_refs`` 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a ``size``² matmul in ``dtype`` on this process's threads (best of a few)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b  # warm-up
+    best = min(timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * size**3 / best
+
+
+def real_model(args: argparse.Namespace) -> None:
+    """The learner at real size: SmolLM2-135M, tokens/s, MFU, peak RSS, update vs bare."""
+    from streamrl.models import resolve_model_path
+
+    threads = int(os.environ["OMP_NUM_THREADS"])
+    gc = args.gradient_checkpointing
+    label = f"smollm2_{args.precision}{'_gc' if gc else ''}"
+    work = Path(tempfile.mkdtemp(prefix="streamrl-bench-"))
+    rows_per_micro = REAL_BUDGET // (REAL_PROMPT + REAL_RESPONSE)
+    groups = args.micro_batches * rows_per_micro // N
+    cfg = load_config([
+        "model=smollm2-135m", f"learner.mixed_precision={args.precision}",
+        f"model.gradient_checkpointing={gc}", f"trainer.output_dir={work / 'o'}",
+        f"task.train_batch_size={groups}", f"rollout.n={N}",
+        f"task.max_prompt_length={REAL_PROMPT}", f"rollout.max_new_tokens={REAL_RESPONSE}",
+        f"actor.ppo_max_token_len={REAL_BUDGET}", "actor.ppo_epochs=1", "learner.device=cpu"])
+    model_dir = Path(resolve_model_path(cfg.model.path))
+    flops = matmul_flops(torch.bfloat16)
+    batch = ragged_batch(vocab=49152, groups_n=groups, prompt_len=(REAL_PROMPT, REAL_PROMPT),
+                         response_len=lambda rng, i: REAL_RESPONSE)
+    tokens = int(batch["attention_mask"].sum())
+    base_gb = peak_rss_gb()
+
+    worker = LearnerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+    params = sum(p.numel() for p in worker.actor.model.parameters())
+    states_gb = 16 * params / 2**30  # fp32 params + grads + AdamW's two moments
+    update = update_step(worker, batch)
+    plan = [rows for mini in worker.plan(batch) for rows in mini]
+    update()  # warm-up: allocates AdamW's state
+    reset_peak_rss()
+    times: dict[str, list[float]] = {"update": [timed(update)], "bare": []}
+    peak_gb = peak_rss_gb()
+    bare = bare_step(model_dir, batch, plan, bf16=args.precision == "bf16", checkpointing=gc)
+    bare()  # warm-up
+    for i in range(args.repeats):  # interleaved so machine load hits both alike
+        times["bare"].append(timed(bare))
+        if i + 1 < args.repeats:
+            times["update"].append(timed(update))
+    t_update, t_bare = min(times["update"]), min(times["bare"])
+    tok_s = tokens / t_update
+    mfu = 6 * params * tok_s / flops
+    print(f"SmolLM2-135M ({params / 1e6:.1f}M params), learner {args.precision}"
+          f"{', gradient checkpointing' if gc else ''}, {threads} threads; {len(batch)} rows, "
+          f"{tokens} tokens in {len(plan)} micro-batches of <= {REAL_BUDGET}", flush=True)
+    print(f"[1] update {tok_s:7.0f} tok/s ({t_update:.2f} s, min of {len(times['update'])}) | "
+          f"bare torch loop {tokens / t_bare:7.0f} tok/s ({t_bare:.2f} s) | update/bare time = "
+          f"{t_update / t_bare:.3f}x (goal <= 1.05x)", flush=True)
+    print(f"[2] bf16 matmul 2048² {flops / 1e9:.0f} GFLOP/s on {threads} threads | 6·N·tok/s "
+          f"{6 * params * tok_s / 1e9:.0f} GFLOP/s | MFU {mfu:.2f} (goal >= 0.5)", flush=True)
+    print(f"[3] peak RSS over the timed update {peak_gb:.2f} GB (process before the model "
+          f"{base_gb:.2f} GB) | params + grads + AdamW (fp32) {states_gb:.2f} GB | ratio "
+          f"{peak_gb / states_gb:.2f}x (goal <= 1.5x; {(peak_gb - base_gb) / states_gb:.2f}x "
+          f"without the process's own)", flush=True)
+    print(result_line(f"learner_{label}_rss_vs_states", peak_gb / states_gb, "<=", 1.5))
+    print(result_line(f"learner_{label}_mfu", mfu, ">=", 0.5))
+    print(result_line(f"learner_{label}_update_vs_bare_time", t_update / t_bare, "<=", 1.05,
+                      digits=3))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
+                        help="--model smollm2: learner.mixed_precision")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="--model smollm2: model.gradient_checkpointing")
+    parser.add_argument("--micro-batches", type=int, default=2,
+                        help="--model smollm2: 4096-token micro-batches per update")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if args.model == "smollm2":
+        real_model(args)
+        sys.exit(0)
     work = Path(tempfile.mkdtemp(prefix="streamrl-bench-"))
     model_dir = build_tiny_model(work / "model", hidden_size=256, num_layers=4, num_heads=4,
                                  intermediate_size=1024)
