@@ -35,17 +35,24 @@ def worker_frames_compiled(worker) -> int:
     return counters["frames"]["ok"]
 
 
-def worker_reload_fingerprints(worker, payload, in_place: bool) -> dict[str, dict[str, float]]:
+def worker_reload_fingerprints(worker, payload, in_place: bool, shuffle: int | None = None,
+                               drop: str | None = None) -> dict[str, dict[str, float]]:
     """Runs inside the vLLM worker: loads ``payload`` in place (``cpu_reload``) or through
     vLLM's own reload, then fingerprints what the forward reads: each packed layer's output on
-    fixed inputs, and every other parameter."""
+    fixed inputs, and every other parameter. ``shuffle``: load the weights in an order shuffled
+    with this seed; ``drop``: leave this weight out."""
+    import random
+
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     from streamrl.rollout_fleet.cpu_reload import reload_in_place
     from streamrl.rollout_fleet.vllm_engine import _retie_lm_head, _tensor
 
     runner = worker.model_runner
-    weights = [(name, _tensor(raw, dtype, shape)) for name, dtype, shape, raw in payload]
+    weights = [(name, _tensor(raw, dtype, shape)) for name, dtype, shape, raw in payload
+               if name != drop]
+    if shuffle is not None:
+        random.Random(shuffle).shuffle(weights)
     if in_place:
         assert reload_in_place(runner.model, weights), "the tiny model got no in-place plan"
     else:
@@ -59,6 +66,50 @@ def worker_reload_fingerprints(worker, payload, in_place: bool) -> dict[str, dic
             packed[name] = float(layer.cpu_linear(x, layer.weight, None).double().sum())
     params = {name: float(p.double().sum()) for name, p in runner.model.named_parameters()}
     return {"packed": packed, "params": params}
+
+
+def worker_staging_bytes(worker, payload) -> dict[str, int]:
+    """Runs inside the vLLM worker: loads ``payload`` in place, in its order, and before each
+    weight measures the storage held by the full-size weights the packed layers load through
+    (found on the layers; followed by weak reference once the model's loader alone holds them;
+    a one-element storage seen at every index, the staging's placeholder, holds nothing).
+    Returns the peak, the sizes it compares with, what survives the reload, and the peak
+    ``cpu_reload`` reports itself."""
+    import weakref
+
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    from streamrl.rollout_fleet import cpu_reload
+    from streamrl.rollout_fleet.vllm_engine import _retie_lm_head, _tensor
+
+    model = worker.model_runner.model
+    packed = [layer for layer in model.modules()
+              if hasattr(layer, "cpu_linear") and layer.weight.numel() == 0]
+    sizes = [LAYERWISE_INFO[layer].restore_metadata[0]["weight"].nbytes for layer in packed]
+    itemsize = LAYERWISE_INFO[packed[0]].restore_metadata[0]["weight"].element_size()
+    staging: list[weakref.ref] = []
+
+    def held() -> int:
+        for layer in packed:
+            weight = layer.weight
+            if weight.numel() and not any(ref() is weight for ref in staging):
+                staging.append(weakref.ref(weight))
+        alive = [w for w in (ref() for ref in staging) if w is not None]
+        storages = [w.untyped_storage().nbytes() for w in alive]
+        return sum(n for n in storages if n > itemsize)  # not a one-element placeholder
+
+    samples = []
+
+    def weights():
+        for name, dtype, shape, raw in payload:
+            samples.append(held())
+            yield name, _tensor(raw, dtype, shape)
+        samples.append(held())
+
+    assert cpu_reload.reload_in_place(model, weights()), "the tiny model got no in-place plan"
+    _retie_lm_head(model)
+    return {"peak": max(samples), "largest": max(sizes), "all": sum(sizes), "after": held(),
+            "reported_peak": cpu_reload.LAST_RELOAD.peak * itemsize}
 
 
 @pytest.fixture(scope="module", params=["asyncllm", "inproc"])
@@ -297,6 +348,46 @@ def test_in_place_cpu_reload_equals_vllms_own(engine, loop, hf_model, restore):
     assert in_place == by_vllm
     packed = in_place["packed"]
     assert all(other["packed"][name] != packed[name] for name in packed), "a layer kept old weights"
+
+
+def test_in_place_reload_stages_one_layer_at_a_time(engine, loop, hf_model, restore):
+    """A reload holds the full-size weight of only the layer being loaded, not of every packed
+    layer at once (which doubled the linears' memory during each swap)."""
+    if not hasattr(engine, "collective_rpc"):
+        pytest.skip("VLLMEngine only: the measurement runs in its worker")
+    from streamrl.rollout_fleet.vllm_engine import to_payload
+
+    payload = to_payload(_other_model(hf_model, seed=3).named_parameters())  # the learner's order
+    (held,) = loop.run_until_complete(engine.collective_rpc(worker_staging_bytes, (payload,)))
+    print(f"staging held: peak {held['peak']} B, largest layer {held['largest']} B, "
+          f"all packed layers {held['all']} B")
+    assert held["all"] >= 4 * held["largest"]  # enough layers for the difference to show
+    assert 0 < held["peak"] <= held["largest"]
+    assert held["reported_peak"] == held["peak"]
+    assert held["after"] == 0  # nothing staged outlives the reload
+
+
+def test_in_place_reload_packs_only_completed_layers(engine, loop, hf_model, restore):
+    """Shards arriving in any order, interleaved across layers, load as in order; a layer that
+    misses a shard keeps its previous packed weights rather than packing a half-written one."""
+    if not hasattr(engine, "collective_rpc"):
+        pytest.skip("VLLMEngine only: the fingerprints run in its worker")
+    from streamrl.rollout_fleet.vllm_engine import to_payload
+
+    def fingerprints(seed: int, **kwargs) -> dict[str, dict[str, float]]:
+        payload = to_payload(_other_model(hf_model, seed).named_parameters())
+        (prints,) = loop.run_until_complete(engine.collective_rpc(
+            worker_reload_fingerprints, (payload, True, kwargs.get("shuffle"),
+                                         kwargs.get("drop"))))
+        return prints
+
+    seven, eight = fingerprints(7), fingerprints(8)
+    assert fingerprints(7, shuffle=0) == seven
+    partial = "model.layers.0.self_attn.qkv_proj"
+    dropped = fingerprints(8, drop="model.layers.0.self_attn.k_proj.weight")["packed"]
+    assert dropped[partial] == seven["packed"][partial] != eight["packed"][partial]
+    assert {name: value for name, value in dropped.items() if name != partial} == \
+        {name: value for name, value in eight["packed"].items() if name != partial}
 
 
 def test_load_weights_rejects_empty(engine, loop):
