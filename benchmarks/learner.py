@@ -40,7 +40,6 @@ import argparse
 import contextlib
 import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ from streamrl.config import Config, load_config, replace, validate
 from streamrl.learner.fsdp import load_causal_lm
 from streamrl.learner.worker import LearnerWorker
 from streamrl.net import free_port
-from streamrl.testing import build_tiny_model, result_line
+from streamrl.testing import ResidentMemory, build_tiny_model, result_line
 from streamrl.types import Group, Trajectory
 
 GROUPS, N = 8, 4
@@ -168,18 +167,6 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def peak_rss_gb() -> float:
-    """This process's resident high-water mark (VmHWM), GB."""
-    with open("/proc/self/status") as f:
-        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 2**20  # type: ignore[union-attr]
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux >= 4.0, ``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def matmul_flops(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
     """FLOP/s of a ``size``² matmul in ``dtype`` on this process's threads (best of a few)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
@@ -209,7 +196,7 @@ def real_model(args: argparse.Namespace) -> None:
     batch = ragged_batch(vocab=49152, groups_n=groups, prompt_len=(REAL_PROMPT, REAL_PROMPT),
                          response_len=lambda rng, i: REAL_RESPONSE)
     tokens = int(batch["attention_mask"].sum())
-    base_gb = peak_rss_gb()
+    base_gb = ResidentMemory().base_mib / 1024
 
     worker = LearnerWorker(cfg, 0, 1, "127.0.0.1", free_port())
     params = sum(p.numel() for p in worker.actor.model.parameters())
@@ -217,9 +204,9 @@ def real_model(args: argparse.Namespace) -> None:
     update = update_step(worker, batch)
     plan = [rows for mini in worker.plan(batch) for rows in mini]
     update()  # warm-up: allocates AdamW's state
-    reset_peak_rss()
+    rss = ResidentMemory()
     times: dict[str, list[float]] = {"update": [timed(update)], "bare": []}
-    peak_gb = peak_rss_gb()
+    peak_gb = rss.peak_mib() / 1024
     bare = bare_step(model_dir, batch, plan, bf16=args.precision == "bf16", checkpointing=gc)
     bare()  # warm-up
     for i in range(args.repeats):  # interleaved so machine load hits both alike

@@ -66,7 +66,6 @@ import datetime
 import itertools
 import multiprocessing as mp
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -87,7 +86,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamrl.models import SMOLLM2, resolve_model_path  # noqa: E402
-from streamrl.testing import result_line  # noqa: E402
+from streamrl.testing import ResidentMemory, result_line  # noqa: E402
 
 BUCKETS_MB = (16, 64, 256)
 UNTIMED_VERSIONS = 2  # the streamed first version and the one that announces the plan
@@ -151,26 +150,6 @@ def _weights(state: dict[str, torch.Tensor], handed: bool, fresh: bool = False) 
     return HandedOver(items) if handed else items
 
 
-class Rss:
-    """This process's resident memory from now on: the kernel's high-water mark (VmHWM) is reset
-    to the current resident set, the baseline."""
-
-    def __init__(self) -> None:
-        Path("/proc/self/clear_refs").write_text("5")
-        self.base_kib = _status_kib("VmRSS")
-
-    def extra_mib(self) -> tuple[float, float]:
-        """MiB above the baseline: at the peak since, and now."""
-        return ((_status_kib("VmHWM") - self.base_kib) / 1024,
-                (_status_kib("VmRSS") - self.base_kib) / 1024)
-
-
-def _status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+) kB$", Path("/proc/self/status").read_text(), re.M)
-    assert match is not None, field
-    return int(match.group(1))
-
-
 # --------------------------------------------------------------------------- throughput ----
 def _root() -> dist.BroadcastOptions:
     opts = dist.BroadcastOptions()
@@ -211,14 +190,14 @@ class RawMember:
 def receiver_main(endpoints: list[str], rid: str, raw: RawMember | None, ready: Any,
                   done: Any) -> None:
     """One receiver process: a bus receiver per publisher and, with ``raw``, a raw-group member.
-    Once ``done`` says so, puts its extra memory since it joined (``Rss.extra_mib``) on
+    Once ``done`` says so, puts its extra memory since it joined (``ResidentMemory.extra_mib``) on
     ``ready``."""
     from streamrl.weight_bus.collective import CollectiveReceiver
 
     torch.set_num_threads(1)
     receivers = [CollectiveReceiver(e, lambda w, v: None, receiver_id=rid, timeout_s=TIMEOUT_S)
                  for e in endpoints]
-    rss = Rss()
+    rss = ResidentMemory()
     ready.put(rid)
     _group = raw.run() if raw is not None else None
     done.get()
@@ -417,7 +396,7 @@ def pause(source: Source, swaps: int) -> dict[str, Any]:
 def memory_main(source: Source, bucket_mb: int, keep_latest: bool, handed: bool,
                 out: Any) -> None:
     """A publisher process: publishes ``MEMORY_VERSIONS`` versions to one receiver process; puts
-    both sides' ``Rss.extra_mib`` on ``out``."""
+    both sides' ``ResidentMemory.extra_mib`` on ``out``."""
     from streamrl.weight_bus.collective import CollectivePublisher
 
     torch.set_num_threads(1)
@@ -432,7 +411,7 @@ def memory_main(source: Source, bucket_mb: int, keep_latest: bool, handed: bool,
         try:
             ready.get(timeout=TIMEOUT_S)
             pub.wait_for_receivers(1)
-            rss = Rss()
+            rss = ResidentMemory()
             for version in range(MEMORY_VERSIONS):
                 pub.publish(version, _weights(state, handed, fresh=handed))
             publisher = rss.extra_mib()

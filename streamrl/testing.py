@@ -8,8 +8,9 @@ transformers and in vLLM. Also exposed as ``streamrl data tiny-model --out DIR``
 
 Also what tests and benchmarks share: the one Group/Trajectory factory (``make_trajectory``,
 ``make_group`` with chosen versions, ``random_groups`` with ragged random tokens),
-``redis_server`` (a real redis-server on a free loopback port) and ``result_line`` (the
-``RESULT`` line every benchmark ends with).
+``redis_server`` (a real redis-server on a free loopback port), ``ResidentMemory`` (this
+process's resident set and its high-water mark, Linux) and ``result_line`` (the ``RESULT``
+line every benchmark ends with).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -261,6 +263,31 @@ def redis_server(workdir: str | os.PathLike[str]) -> Iterator[str]:
     finally:
         with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
             client.shutdown(nosave=True)
+
+
+class ResidentMemory:
+    """This process's resident memory from now on (Linux): the kernel's high-water mark (VmHWM)
+    is reset to the current resident set (``/proc/self/clear_refs`` 5), the baseline."""
+
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base_mib = _status_mib("VmRSS")
+
+    def peak_mib(self) -> float:
+        """The resident set's high-water mark since the baseline, MiB."""
+        return _status_mib("VmHWM")
+
+    def extra_mib(self) -> tuple[float, float]:
+        """MiB above the baseline: at the peak since, and now."""
+        return self.peak_mib() - self.base_mib, _status_mib("VmRSS") - self.base_mib
+
+
+def _status_mib(field: str) -> float:
+    status = Path("/proc/self/status").read_text()
+    match = re.search(rf"^{field}:\s+(\d+) kB$", status, re.M)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line")
+    return int(match.group(1)) / 1024
 
 
 def result_line(name: str, value: float, op: str, goal: float, met: bool | None = None,
