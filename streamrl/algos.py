@@ -30,7 +30,9 @@ Parts, in file order:
                           (token / sequence truncated IS, batch normalisation),
                           ROLLOUT_RS_OPTIONS, parse_rollout_rs, compute_rollout_rejection_mask
                           (k1/k2/k3 rejection), compute_rollout_correction (all of it plus
-                          IcePop and geometric-mean rejection);
+                          token / sequence IcePop and geometric-mean rejection: weights and
+                          a keep mask), rollout_correction and is_batch_norm_parts (the same
+                          from a PolicyLossConfig, for the learner's mini-batch pre-pass);
                           compute_policy_loss_from_config (the learner's one entry point, bypass)
 7. Value and entropy .... compute_value_loss, compute_entropy_loss
 
@@ -105,6 +107,7 @@ __all__ = [
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
+    "is_batch_norm_parts",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -115,6 +118,7 @@ __all__ = [
     "policy_loss_weights_by_ratio",
     "register_adv_estimator",
     "register_policy_loss",
+    "rollout_correction",
 ]
 
 # Log-ratios are clamped to +-LOG_RATIO_BOUND before exp (verl's bound): exp(20) ~ 4.9e8 is
@@ -1045,9 +1049,13 @@ class PolicyLossConfig:
         same weight on each of its tokens) (verl rollout_is).
     rollout_is_batch_normalize: divide the truncated weights by their mean (over valid tokens,
         or over non-empty sequences at sequence level) so that they average 1.
-    icepop_low/high: IcePop, token weight r inside [low, high], else 0.
-    rejection_low/high: drop (weight 0) whole sequences whose geometric-mean ratio lies outside
+    icepop_low/high: IcePop, weight r inside [low, high]; outside, the token is rejected.
+    icepop_level: "token" (r per token) or "sequence" (r = prod over the row: the whole row is
+        weighted by it, or rejected).
+    rejection_low/high: reject whole sequences whose geometric-mean ratio lies outside
         [low, high].
+    Rejected tokens leave the loss mask (verl's modified response_mask): they count in no
+    denominator.
     rollout_rs / rollout_rs_threshold: verl's k1/k2/k3 rejection, see `parse_rollout_rs`.
     decoupled_weight_cap: "decoupled" only; behaviour weights above it become 0 (AReaL's
         behav_imp_weight_cap).
@@ -1070,6 +1078,7 @@ class PolicyLossConfig:
     rollout_is_batch_normalize: bool = False
     icepop_low: float | None = None
     icepop_high: float | None = None
+    icepop_level: str = "token"
     rejection_low: float | None = None
     rejection_high: float | None = None
     rollout_rs: str | None = None
@@ -1083,6 +1092,12 @@ class PolicyLossConfig:
             raise ValueError(f"clip_ratio_c (dual clip) must be > 1.0, got {self.clip_ratio_c}")
         self._check_is_weights()
         _both_or_neither(self.icepop_low, self.icepop_high, "icepop")
+        if self.icepop_level not in ROLLOUT_IS_LEVELS:
+            raise ValueError(
+                f"unknown icepop_level {self.icepop_level!r}; known: {ROLLOUT_IS_LEVELS}"
+            )
+        if self.loss_scale_factor is not None and self.loss_scale_factor <= 0:
+            raise ValueError(f"loss_scale_factor must be > 0, got {self.loss_scale_factor}")
         _both_or_neither(self.rejection_low, self.rejection_high, "rejection")
         if self.rollout_rs is not None or self.rollout_rs_threshold is not None:
             parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
@@ -1144,8 +1159,12 @@ class PolicyLossConfig:
     @property
     def corrects_rollout(self) -> bool:
         """Whether any rollout correction is set (they need behaviour log-probs)."""
-        options = (self.tis_cap, self.icepop_low, self.rejection_low, self.rollout_rs)
-        return any(v is not None for v in options)
+        return self.tis_cap is not None or self.rejects
+
+    @property
+    def rejects(self) -> bool:
+        """Whether a rule may drop tokens from the loss mask (IcePop, rejection, rollout_rs)."""
+        return any(v is not None for v in (self.icepop_low, self.rejection_low, self.rollout_rs))
 
 
 @register_policy_loss("vanilla")
@@ -1290,6 +1309,7 @@ def compute_rollout_is_weights(
     rollout_is_threshold: float,
     rollout_is_level: str = "token",
     rollout_is_batch_normalize: bool = False,
+    batch_norm_factor: Tensor | float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Truncated importance-sampling weights, as verl's compute_rollout_correction_weights.
 
@@ -1298,14 +1318,14 @@ def compute_rollout_is_weights(
     on every valid token of the row. Log-ratios and their sums are clamped to +-20 before exp.
     Weights are 0 at mask-0 positions and truncated at `rollout_is_threshold`; with
     `rollout_is_batch_normalize` they are then divided by their mean (over valid tokens, or over
-    non-empty rows at sequence level) unless that mean is below 1e-8.
-    Metrics, verl's, before truncation: rollout_is_mean (over valid tokens), rollout_is_ratio_
-    fraction_high / _low (share of tokens, or of non-empty rows at sequence level, above the
-    threshold / below its inverse), rollout_is_eff_sample_size (1 / mean((w / mean w)^2) over
-    valid tokens, w clamped to [1 / threshold, threshold]), rollout_is_batch_norm_factor.
-    Differs from verl: the mean for normalisation is over the rows given (a micro-batch in the
-    learner); verl takes the whole training batch, or in bypass mode the micro-batch of every
-    data-parallel rank.
+    non-empty rows at sequence level; see `is_batch_norm_parts`) unless that mean is below
+    1e-8. `batch_norm_factor` is that mean taken over more rows than these (the learner's
+    whole mini-batch on every rank, so that micro-batches share one factor).
+    Metrics (verl's): rollout_is_ratio_fraction_high / _low, the share of tokens (of non-empty
+    rows at sequence level) whose raw weight is above the threshold / below its inverse; then,
+    of the truncated weights actually applied (before batch normalisation), rollout_is_mean
+    over valid tokens and rollout_is_eff_sample_size 1 / mean((w / mean w)^2); and
+    rollout_is_batch_norm_factor.
     """
     if rollout_is_level not in ROLLOUT_IS_LEVELS:
         raise ValueError(
@@ -1323,18 +1343,22 @@ def compute_rollout_is_weights(
             else (weights, mask)
         )
         low, high = 1.0 / rollout_is_threshold, rollout_is_threshold
-        for_ess = weights.clamp(low, high)
-        ess = 1.0 / masked_mean((for_ess / (masked_mean(for_ess, mask) + 1e-8)).square(), mask)
         prefix = "rollout_corr/rollout_is"
         metrics = {
-            f"{prefix}_mean": masked_mean(weights, mask),
             f"{prefix}_ratio_fraction_high": masked_mean((units > high).float(), unit_mask),
             f"{prefix}_ratio_fraction_low": masked_mean((units < low).float(), unit_mask),
-            f"{prefix}_eff_sample_size": torch.where(mask.any(), ess, torch.zeros_like(ess)),
         }
         weights, units = weights.clamp(max=high), units.clamp(max=high)
+        mean = masked_mean(weights, mask)
+        ess = 1.0 / masked_mean((weights / (mean + 1e-8)).square(), mask)
+        metrics[f"{prefix}_mean"] = mean
+        metrics[f"{prefix}_eff_sample_size"] = torch.where(mask.any(), ess, torch.zeros_like(ess))
         if rollout_is_batch_normalize:
-            mean = masked_mean(units, unit_mask)
+            if batch_norm_factor is None:
+                mean = masked_mean(units, unit_mask)
+            else:
+                mean = torch.as_tensor(batch_norm_factor, dtype=weights.dtype,
+                                       device=weights.device)
             factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
             weights = weights / factor
             metrics[f"{prefix}_batch_norm_factor"] = factor
@@ -1482,28 +1506,42 @@ def compute_rollout_rejection_mask(
     return keep, metrics
 
 
+def _sequence_log_ratio(raw: Tensor, mask: Tensor) -> Tensor:
+    """(batch, 1) sum of each row's log-ratios over its valid tokens, clamped to +-20."""
+    return masked_sum(raw, mask, axis=-1).unsqueeze(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def _icepop_ratio(raw: Tensor, mask: Tensor, level: str) -> Tensor:
+    """IcePop's ratio per token: the token's own r, or its row's prod r at sequence level."""
+    log_ratio = _sequence_log_ratio(raw, mask).expand_as(raw) if level == "sequence" else raw
+    return torch.where(mask, log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp(), 0.0)
+
+
 def _keep_within_bounds(
-    log_ratio: Tensor,
-    response_mask: Tensor,
+    raw: Tensor,
+    mask: Tensor,
     icepop: tuple[float | None, float | None],
+    icepop_level: str,
     rejection: tuple[float | None, float | None],
     metrics: dict[str, Tensor],
 ) -> Tensor:
-    """IcePop (token ratio) and geometric-mean (sequence) bounds as a keep mask; adds metrics."""
-    keep = torch.ones_like(response_mask.bool())
-    ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    """IcePop (token or sequence ratio) and geometric-mean (sequence) bounds as a keep mask of
+    valid tokens; adds metrics."""
+    keep = mask.clone()
     if icepop[0] is not None and icepop[1] is not None:
-        outside = (ratio < icepop[0]) | (ratio > icepop[1])
+        ratio = _icepop_ratio(raw, mask, icepop_level)
+        outside = mask & ((ratio < icepop[0]) | (ratio > icepop[1]))
         keep = keep & ~outside
-        metrics["rollout_corr/icepop_maskfrac"] = masked_mean(outside.float(), response_mask)
+        metrics["rollout_corr/icepop_maskfrac"] = masked_mean(outside.float(), mask)
     if rejection[0] is not None and rejection[1] is not None:
-        seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1)
+        seq_log_ratio = masked_mean(raw, mask, axis=-1)
         rejected = (seq_log_ratio < math.log(rejection[0])) | (
             seq_log_ratio > math.log(rejection[1])
         )
         keep = keep & ~rejected.unsqueeze(-1)
-        nonempty = response_mask.sum(dim=-1) > 0
-        metrics["rollout_corr/rejected_seq_frac"] = masked_mean(rejected.float(), nonempty.float())
+        metrics["rollout_corr/rejected_seq_frac"] = masked_mean(
+            rejected.float(), mask.any(dim=-1).float()
+        )
     return keep
 
 
@@ -1516,48 +1554,104 @@ def compute_rollout_correction(
     rollout_is_batch_normalize: bool = False,
     icepop_low: float | None = None,
     icepop_high: float | None = None,
+    icepop_level: str = "token",
     rejection_low: float | None = None,
     rejection_high: float | None = None,
     rollout_rs: str | None = None,
     rollout_rs_threshold: str | float | None = None,
     masks_only: bool = False,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Detached per-token weights correcting for the behaviour (rollout) policy.
+    is_batch_norm_factor: Tensor | float | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Detached per-token weights and a keep mask correcting for the behaviour (rollout) policy.
 
-    `log_ratio` is log pi_old - log pi_behaviour per token; r is its exp. Weights start at 1:
-    1. tis_cap: the truncated IS weights of `compute_rollout_is_weights` (token or sequence
-       level, optionally batch-normalised); without tis_cap but with IcePop bounds, r itself.
-    2. icepop_low/high: 0 where the token ratio r is outside [low, high].
-    3. rejection_low/high: 0 on every token of a sequence whose geometric-mean ratio
-       exp(mean log_ratio over valid tokens) is outside [low, high].
-    4. rollout_rs / rollout_rs_threshold: 0 where `compute_rollout_rejection_mask` rejects.
-    masks_only (bypass mode with a surrogate that already weights by the ratio): step 1 is
-    skipped, so the weights are 0/1 masks and the ratio is not applied a second time.
-    Differs from verl: rejected tokens get weight 0 instead of leaving the response mask, so
-    loss denominators (and mini-batch token counts for exact accumulation) do not change.
+    `log_ratio` is log pi_old - log pi_behaviour per token; r is its exp. Returns
+    (weights, keep, metrics), both 0 / False at mask-0 positions.
+    Weights (1 on valid tokens unless):
+    - tis_cap: the truncated IS weights of `compute_rollout_is_weights` (token or sequence
+      level, optionally batch-normalised, by `is_batch_norm_factor` when given; always over
+      the whole `response_mask`);
+    - else IcePop bounds: IcePop's ratio itself (r, or the row's prod r at sequence level).
+    Keep (the valid tokens every rule keeps; rejected tokens leave the loss mask, as in verl):
+    - icepop_low/high: tokens whose IcePop ratio is outside [low, high] ("token": r per token;
+      "sequence": prod r over the row, so the whole row goes);
+    - rejection_low/high: every token of a row whose geometric-mean ratio
+      exp(mean log_ratio over valid tokens) is outside [low, high];
+    - rollout_rs / rollout_rs_threshold: what `compute_rollout_rejection_mask` rejects.
+    masks_only (bypass mode with a surrogate that already weights by the ratio): the weights
+    stay 1, so the ratio is not applied a second time.
     """
     with torch.no_grad():
-        raw = torch.where(response_mask.bool(), log_ratio.detach(), torch.zeros_like(log_ratio))
-        weights = torch.ones_like(raw)
-        metrics: dict[str, Tensor] = {"rollout_corr/kl": masked_mean(-raw, response_mask)}
+        mask = response_mask.bool()
+        raw = torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio))
+        weights = mask.to(raw.dtype)
+        metrics: dict[str, Tensor] = {"rollout_corr/kl": masked_mean(-raw, mask)}
         if not masks_only and tis_cap is not None:
             weights, is_metrics = compute_rollout_is_weights(
-                raw, response_mask, tis_cap, rollout_is_level, rollout_is_batch_normalize
+                raw, mask, tis_cap, rollout_is_level, rollout_is_batch_normalize,
+                is_batch_norm_factor,
             )
             metrics.update(is_metrics)
         elif not masks_only and icepop_low is not None:
-            weights = raw.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+            weights = _icepop_ratio(raw, mask, icepop_level)
         keep = _keep_within_bounds(
-            raw, response_mask, (icepop_low, icepop_high), (rejection_low, rejection_high), metrics
+            raw, mask, (icepop_low, icepop_high), icepop_level, (rejection_low, rejection_high),
+            metrics,
         )
         if rollout_rs is not None:
             rs_keep, rs_metrics = compute_rollout_rejection_mask(
-                raw, response_mask, rollout_rs, rollout_rs_threshold
+                raw, mask, rollout_rs, rollout_rs_threshold
             )
             keep = keep & rs_keep
             metrics.update(rs_metrics)
-        weights = torch.where(keep, weights, torch.zeros_like(weights))
-    return weights, metrics
+    return weights, keep, metrics
+
+
+def rollout_correction(
+    config: PolicyLossConfig,
+    log_ratio: Tensor,
+    response_mask: Tensor,
+    is_batch_norm_factor: Tensor | float | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """`compute_rollout_correction` with `config`'s settings: (weights, keep, metrics).
+
+    `log_ratio` is log pi_ref - log pi_behaviour with pi_ref the old policy, or the current
+    one (detached) in bypass mode. The learner calls it before a mini-batch to count the kept
+    tokens over all its micro-batches (see `compute_policy_loss_from_config`)."""
+    return compute_rollout_correction(
+        log_ratio,
+        response_mask,
+        tis_cap=config.tis_cap,
+        rollout_is_level=config.rollout_is_level,
+        rollout_is_batch_normalize=config.rollout_is_batch_normalize,
+        icepop_low=config.icepop_low,
+        icepop_high=config.icepop_high,
+        icepop_level=config.icepop_level,
+        rejection_low=config.rejection_low,
+        rejection_high=config.rejection_high,
+        rollout_rs=config.rollout_rs,
+        rollout_rs_threshold=config.rollout_rs_threshold,
+        masks_only=config.bypass and config.weights_by_ratio,
+        is_batch_norm_factor=is_batch_norm_factor,
+    )
+
+
+def is_batch_norm_parts(config: PolicyLossConfig, log_ratio: Tensor, response_mask: Tensor
+                        ) -> Tensor:
+    """[sum, count] of the truncated IS weights that `rollout_is_batch_normalize` averages
+    (per valid token, or per non-empty row at sequence level): summed over micro-batches and
+    ranks, sum / count is the mini-batch's `is_batch_norm_factor`."""
+    assert config.tis_cap is not None
+    with torch.no_grad():
+        mask = response_mask.bool()
+        weights, _ = compute_rollout_is_weights(
+            torch.where(mask, log_ratio.detach(), torch.zeros_like(log_ratio)), mask,
+            config.tis_cap, config.rollout_is_level,
+        )
+        if config.rollout_is_level == "sequence":
+            units, unit_mask = weights.amax(dim=-1), mask.any(dim=-1)
+        else:
+            units, unit_mask = weights, mask
+        return torch.stack([masked_sum(units, unit_mask), unit_mask.sum().to(weights.dtype)])
 
 
 def compute_policy_loss_from_config(
@@ -1568,6 +1662,8 @@ def compute_policy_loss_from_config(
     response_mask: Tensor,
     *,
     rollout_log_prob: Tensor | None = None,
+    keep: Tensor | None = None,
+    is_batch_norm_factor: Tensor | float | None = None,
     num_tokens: float | Tensor | None = None,
     num_seqs: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -1575,9 +1671,14 @@ def compute_policy_loss_from_config(
 
     1. bypass: `old_log_prob` := `rollout_log_prob` (no proximal recompute; may pass None).
     2. pg_losses = get_policy_loss_fn(config.loss_mode)(...), a per-token matrix.
-    3. `compute_rollout_correction` weights from pi_old (bypass: detached pi) vs the behaviour;
-       masks only in bypass mode when the surrogate weights by the ratio (vanilla, gspo, cispo).
-    4. agg_loss with `num_tokens` / `num_seqs` (mini-batch counts for exact accumulation).
+    3. `rollout_correction` from pi_old (bypass: detached pi) vs the behaviour: pg_losses are
+       multiplied by its weights, and its rejected tokens leave the mask (verl's
+       modified response_mask). `keep`, when given, is that keep mask already computed (the
+       learner's, over the whole mini-batch); the weights are still computed here, batch-
+       normalised by `is_batch_norm_factor` when given (see `is_batch_norm_parts`).
+    4. agg_loss over response_mask & keep with `num_tokens` / `num_seqs`: for exact
+       micro-batch accumulation, the mini-batch's counts of *kept* tokens and of sequences
+       with a kept token.
     Returns (loss, metrics) with verl's metric names ("actor/pg_clipfrac", ...).
     """
     if config.bypass:
@@ -1595,29 +1696,20 @@ def compute_policy_loss_from_config(
     pg_losses, metrics = loss_fn(
         old_log_prob, log_prob, advantages, response_mask, config, rollout_log_prob=rollout_log_prob
     )
+    loss_mask = response_mask.bool()
     if config.corrects_rollout:
         if rollout_log_prob is None:
             raise ValueError("tis_cap / icepop / rejection / rollout_rs need rollout_log_prob")
         reference = log_prob.detach() if config.bypass else old_log_prob
-        weights, corr_metrics = compute_rollout_correction(
-            reference - rollout_log_prob,
-            response_mask,
-            tis_cap=config.tis_cap,
-            rollout_is_level=config.rollout_is_level,
-            rollout_is_batch_normalize=config.rollout_is_batch_normalize,
-            icepop_low=config.icepop_low,
-            icepop_high=config.icepop_high,
-            rejection_low=config.rejection_low,
-            rejection_high=config.rejection_high,
-            rollout_rs=config.rollout_rs,
-            rollout_rs_threshold=config.rollout_rs_threshold,
-            masks_only=config.bypass and config.weights_by_ratio,
+        weights, kept, corr_metrics = rollout_correction(
+            config, reference - rollout_log_prob, response_mask, is_batch_norm_factor
         )
         pg_losses = pg_losses * weights
+        loss_mask = loss_mask & (kept if keep is None else keep.bool())
         metrics.update(corr_metrics)
     loss = agg_loss(
         pg_losses,
-        response_mask,
+        loss_mask,
         config.loss_agg_mode,
         num_tokens=num_tokens,
         num_seqs=num_seqs,

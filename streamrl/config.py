@@ -326,6 +326,9 @@ class ActorConfig:
     """Divide the truncated IS weights by their mean (needs tis_cap)."""
     icepop_low: float | None = None
     icepop_high: float | None = None
+    icepop_level: str = "token"
+    """token | sequence: IcePop's ratio per token, or the row's product (the whole row is kept
+    and weighted by it, or rejected)."""
     rejection_low: float | None = None
     rejection_high: float | None = None
     rollout_rs: str | None = None
@@ -337,6 +340,10 @@ class ActorConfig:
     unquoted, Hydra reads 0.5_2 as the number 0.52."""
     recompute_log_prob: bool = True
     """False is 'bypass' mode: the behaviour log-probs serve as the old log-probs."""
+    loss_scale_factor: float | None = None
+    """The constant horizon of loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO; verl's
+    actor.loss_scale_factor); None: the response budget (``Config.response_budget``), as verl
+    (responses padded to data.max_response_length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -542,6 +549,15 @@ class Config:
         return self.critic.enable or self.algorithm.adv_estimator == "gae"
 
     @property
+    def response_budget(self) -> int:
+        """The most response tokens a trajectory may have: rollout.max_new_tokens,
+        rollout.max_episode_tokens for agent episodes (observation tokens included), or the toy
+        task's task.long_tail_tokens when its long answers are longer."""
+        rollout = self.rollout
+        budget = rollout.max_episode_tokens if rollout.agent else rollout.max_new_tokens
+        return max(budget, self.task.long_tail_tokens) if self.task.long_tail else budget
+
+    @property
     def use_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
@@ -718,6 +734,9 @@ def validate(cfg: Config) -> Config:
         algos.parse_rollout_rs(cfg.actor.rollout_rs, cfg.actor.rollout_rs_threshold)
     except algos.RolloutRSError as exc:
         _fail(f"actor.{exc.key}", exc.value, exc.why)
+    _check_choice("actor.icepop_level", cfg.actor.icepop_level, algos.ROLLOUT_IS_LEVELS)
+    if cfg.actor.loss_scale_factor is not None and not cfg.actor.loss_scale_factor > 0:
+        _fail("actor.loss_scale_factor", cfg.actor.loss_scale_factor, "must be > 0 (or null)")
     for lo_key, hi_key in (("actor.icepop_low", "actor.icepop_high"),
                            ("actor.rejection_low", "actor.rejection_high")):
         lo, hi = _lookup(cfg, lo_key), _lookup(cfg, hi_key)

@@ -368,6 +368,22 @@ def test_grpo_by_hand_with_group_of_one_and_equal_rewards() -> None:
     assert torch.equal(via_registry, dr)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_a_group_of_one_keeps_its_raw_reward_in_every_group_estimator(estimator: str) -> None:
+    # verl: a group of one has mean 0 (and std 1), so its advantage is its raw score; the
+    # baseline variant whitens the batch afterwards like any other row. Row 2 is group "c".
+    rewards, mask = outcome_rewards([1.0, 3.0, 4.0], [2, 2, 2], width=2)
+    data = {"token_level_rewards": rewards, "response_mask": mask,
+            "group_id": ["a", "a", "c"]}
+    adv, _ = compute_advantage(data, estimator)
+    centred = {"grpo": [-1 / 2 ** 0.5, 1 / 2 ** 0.5, 4.0], "dr_grpo": [-1.0, 1.0, 4.0],
+               "rloo": [-2.0, 2.0, 4.0], "reinforce_plus_plus_baseline": [-1.0, 1.0, 4.0]}
+    expected = t(centred[estimator])[:, None] * mask
+    if estimator == "reinforce_plus_plus_baseline":
+        expected = masked_whiten(expected, mask) * mask
+    assert torch.allclose(adv, expected, atol=1e-5)
+
+
 def test_grpo_accepts_int_index_and_empty_rows() -> None:
     rewards, mask = outcome_rewards([1, 3, 0], [2, 2, 0], width=2)
     adv, _ = compute_grpo_outcome_advantage(rewards, mask, np.array([7, 7, 8]))
@@ -690,27 +706,53 @@ def _ratio1_loss(config: PolicyLossConfig, behaviour_ratios: list[list[float]]) 
 def test_truncated_importance_sampling_by_hand() -> None:
     loss, metrics = _ratio1_loss(PolicyLossConfig(tis_cap=2.0), [[3.0, 0.25]])
     assert close(loss, (-2.0 - 0.25) / 2)  # weights min(3, 2), 0.25
-    # verl's metrics, before truncation: mean (3 + 0.25) / 2; 3 > 2 and 0.25 < 1/2
-    assert math.isclose(metrics["rollout_corr/rollout_is_mean"], 1.625, rel_tol=1e-6)
+    # verl's metrics: raw 3 > 2 and 0.25 < 1/2; mean and ESS of the weights applied (after
+    # truncation): mean (2 + 0.25) / 2 = 1.125; w / mean = 16/9, 2/9: ESS 1 / ((256 + 4) / 162)
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5
     assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.5
-    # ESS on weights clamped to [1/2, 2] = 2, 0.5: mean 1.25, (1.6^2 + 0.4^2) / 2 = 1.36
-    assert math.isclose(metrics["rollout_corr/rollout_is_eff_sample_size"], 1 / 1.36, rel_tol=1e-5)
+    assert math.isclose(metrics["rollout_corr/rollout_is_mean"], 1.125, rel_tol=1e-6)
+    assert math.isclose(metrics["rollout_corr/rollout_is_eff_sample_size"], 162 / 260,
+                        rel_tol=1e-5)
 
 
 def test_icepop_by_hand() -> None:
     loss, metrics = _ratio1_loss(
         PolicyLossConfig(icepop_low=0.5, icepop_high=2.0), [[3.0, 0.25, 1.5]]
     )
-    assert close(loss, (0.0 + 0.0 - 1.5) / 3)  # outside [0.5, 2] -> 0, inside keeps 1.5
+    # outside [0.5, 2]: rejected, out of the denominator (verl); inside: weight 1.5
+    assert close(loss, -1.5 / 1)
     assert math.isclose(metrics["rollout_corr/icepop_maskfrac"], 2 / 3, rel_tol=1e-6)
+
+
+def test_icepop_weighs_padding_zero() -> None:
+    # row 1's last position is padding with log-ratio 0 (r = 1, inside the band): weight 0
+    log_ratio = torch.log(t([[1.5, 1.0], [1.2, 1.0]]))
+    mask = t([[1, 1], [1, 0]])
+    weights, keep, _ = algos.compute_rollout_correction(
+        log_ratio, mask, icepop_low=0.5, icepop_high=2.0
+    )
+    assert close(weights, [[1.5, 1.0], [1.2, 0.0]])
+    assert keep.tolist() == [[True, True], [True, False]]
+
+
+def test_sequence_icepop_by_hand() -> None:
+    # row 0: ratios 1.5, 1.5 -> prod 2.25 > 2: the whole row is rejected
+    # row 1: ratios 2.5, 0.5 -> prod 1.25: kept, every token weighs 1.25 (token level would
+    # have rejected the 2.5 token); A = +1 and PPO ratio 1: loss -(1.25 + 1.25) / 2
+    config = PolicyLossConfig(icepop_low=0.5, icepop_high=2.0, icepop_level="sequence")
+    loss, metrics = _ratio1_loss(config, [[1.5, 1.5], [2.5, 0.5]])
+    assert close(loss, -1.25)
+    assert metrics["rollout_corr/icepop_maskfrac"] == 0.5
+    token = PolicyLossConfig(icepop_low=0.5, icepop_high=2.0)
+    loss, _ = _ratio1_loss(token, [[1.5, 1.5], [2.5, 0.5]])
+    assert close(loss, -(1.5 + 1.5 + 0.5) / 3)
 
 
 def test_sequence_rejection_by_hand() -> None:
     # seq 0: geometric mean sqrt(2 * 1) = 1.414 > 1.2 -> rejected; seq 1: sqrt(1.1 / 1.1) = 1
     config = PolicyLossConfig(rejection_low=0.8, rejection_high=1.2)
     loss, metrics = _ratio1_loss(config, [[2.0, 1.0], [1.1, 1 / 1.1]])
-    assert close(loss, (0 + 0 - 1 - 1) / 4)  # rejected tokens weigh 0 but still count
+    assert close(loss, (-1 - 1) / 2)  # the rejected row's tokens leave the denominator
     assert metrics["rollout_corr/rejected_seq_frac"] == 0.5
 
 
@@ -725,7 +767,7 @@ def test_sequence_level_importance_sampling_by_hand() -> None:
         config, old, old, torch.ones(2, 3), mask, rollout_log_prob=behav
     )
     assert close(loss, (-2.5 * 3 - 1.5 * 2) / 5)  # PPO ratio 1, A = +1: -w per token
-    assert close(metrics["rollout_corr/rollout_is_mean"], (3 * 3 + 1.5 * 2) / 5)
+    assert close(metrics["rollout_corr/rollout_is_mean"], (2.5 * 3 + 1.5 * 2) / 5)  # truncated
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5  # of rows: 3 > 2.5
     assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0.0
     weights, _ = compute_rollout_is_weights(old - behav, mask, 2.5, "sequence")
@@ -852,16 +894,21 @@ def test_rejection_rules_by_hand_and_combined() -> None:
     assert keep.tolist() == [[False] * 3, [True] * 3]
 
 
-def test_rejected_tokens_weigh_zero_but_stay_in_the_denominator() -> None:
-    # Differs from verl (which drops them from the mask): token-mean still divides by all 6
-    # tokens; PPO ratio 1 and A = +1 give -1 for each of the 4 kept tokens
+def test_rejected_tokens_leave_the_denominator() -> None:
+    # As verl (modified response_mask): token-mean divides by the 5 kept tokens; PPO ratio 1
+    # and A = +1 give -1 for each of them
     config = PolicyLossConfig(rollout_rs="token_k3,seq_max_k2", rollout_rs_threshold="0.2,0.3")
     loss, metrics = _ratio1_loss(config, RS_RATIOS)
-    assert close(loss, -5 / 6)
+    assert close(loss, -5 / 5)
     assert math.isclose(metrics["rollout_corr/rollout_rs_masked_fraction"], 1 / 6, rel_tol=1e-6)
     seq = PolicyLossConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.15, tis_cap=1.5)
     loss, _ = _ratio1_loss(seq, RS_RATIOS)  # row 0 rejected; row 1 weights 1.1, 1/1.1, 1
-    assert close(loss, -(1.1 + 1 / 1.1 + 1.0) / 6)
+    assert close(loss, -(1.1 + 1 / 1.1 + 1.0) / 3)
+    # seq-mean: the rejected row is no longer a sequence of the mean
+    by_seq = PolicyLossConfig(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.15,
+                              loss_agg_mode="seq-mean-token-sum")
+    loss, _ = _ratio1_loss(by_seq, RS_RATIOS)
+    assert close(loss, -3.0)
 
 
 def test_parse_rollout_rs_rules_and_errors() -> None:
@@ -918,15 +965,15 @@ def test_bypass_icepop_masks_without_weighting_twice(mode: str) -> None:
         icepop, None, new, ADVS, ONES, rollout_log_prob=OLD
     )
     plain = PolicyLossConfig(loss_mode=mode)
-    keep = t([[1.0, 1.0, 1.0, 0.0]])
+    keep = t([[1.0, 1.0, 1.0, 0.0]])  # the rejected token leaves the denominator too
     per_token, _ = get_policy_loss_fn(mode)(OLD, NEW, ADVS, ONES, plain)
-    assert torch.allclose(loss, (per_token * keep).sum() / 4)
+    assert torch.allclose(loss, (per_token * keep).sum() / 3)
     if mode == "vanilla":
-        assert close(loss, (-1.2 - 0.5 + 0.8 + 0.0) / 4)
+        assert close(loss, (-1.2 - 0.5 + 0.8) / 3)
     loss.backward()
     # vanilla: only the unclipped token moves, d(-A r)/dlogp = -0.5 (double weighting: -0.25)
     if mode == "vanilla":
-        assert new.grad is not None and close(new.grad, [[0.0, -0.125, 0.0, 0.0]])
+        assert new.grad is not None and close(new.grad, [[0.0, -0.5 / 3, 0.0, 0.0]])
     assert metrics["rollout_corr/icepop_maskfrac"] == 0.25
 
 
@@ -983,17 +1030,39 @@ def test_policy_loss_micro_batches_sum_to_the_mini_batch() -> None:
             rollout_rs="token_k3,seq_mean_k2",
             rollout_rs_threshold="0.3,0.05",
         )
-        counts = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum()}
+        # the learner's pre-pass: keep masks, then counts of kept tokens over the mini-batch
+        _, keep, _ = algos.rollout_correction(config, old - behav, mask)
+        kept = mask.bool() & keep
+        assert 0 < kept.sum() < mask.sum()  # the rules do reject something here
+        counts = {"num_tokens": kept.sum(), "num_seqs": (kept.sum(-1) > 0).sum()}
         whole, _ = compute_policy_loss_from_config(
             config, old, new, adv, mask, rollout_log_prob=behav
         )
         parts = [
             compute_policy_loss_from_config(
-                config, old[s], new[s], adv[s], mask[s], rollout_log_prob=behav[s], **counts
+                config, old[s], new[s], adv[s], mask[s], rollout_log_prob=behav[s],
+                keep=keep[s], **counts
             )[0]
             for s in (slice(0, 1), slice(1, 4))
         ]
         assert torch.allclose(sum(parts), whole, atol=1e-6), agg
+
+
+def test_batch_normalised_weights_share_the_mini_batch_factor() -> None:
+    # token level, cap 4: truncated weights 2, 1 | 0.5 (row 1's second position is padding):
+    # the mini-batch mean is 3.5 / 3, so every micro-batch divides by it, not by its own mean
+    log_ratio = torch.log(t([[2.0, 1.0], [0.5, 9.0]]))
+    mask = t([[1, 1], [1, 0]])
+    config = PolicyLossConfig(tis_cap=4.0, rollout_is_batch_normalize=True)
+    parts = algos.is_batch_norm_parts(config, log_ratio, mask)
+    assert close(parts, [3.5, 3.0])
+    factor = parts[0] / parts[1]
+    weights, _, metrics = algos.rollout_correction(config, log_ratio[1:], mask[1:], factor)
+    assert close(weights, [[0.5 * 3 / 3.5, 0.0]])
+    assert close(metrics["rollout_corr/rollout_is_batch_norm_factor"], 3.5 / 3)
+    seq = PolicyLossConfig(tis_cap=4.0, rollout_is_level="sequence",
+                           rollout_is_batch_normalize=True)
+    assert close(algos.is_batch_norm_parts(seq, log_ratio, mask), [2.0 + 0.5, 2.0])
 
 
 # ------------------------------------------------------------------------------- value, entropy

@@ -9,6 +9,12 @@ groups, rows dealt to ranks) x micro-batches (token budget + packing, or fixed s
 through ``update_loop.run_update`` with the loss pg_loss - entropy_coeff * entropy
 + kl_loss_coef * kl_loss, every term normalised by the mini-batch's global token / sequence
 counts. Policy-loss modes and rollout corrections come from ``algos`` via ``PolicyLossConfig``.
+When the correction may reject tokens (IcePop, rejection, rollout_rs) or normalises its IS
+weights by their mean, a pre-pass over each mini-batch (``Actor._count``) computes the keep
+masks and that mean before the first backward, so rejected tokens leave every term's mask and
+the counts (verl's modified response_mask) while accumulation stays exact. It needs the
+reference log-probs of the whole mini-batch: the proximal ones when known, else (bypass, or a
+first epoch that takes them from its own forward) one no-grad forward of the mini-batch.
 Log-probs come from ``logprobs.policy_log_probs`` (computed in the LM head, chunked, never the
 [tokens x vocab] logits); the entropy has gradients only when ``entropy_coeff != 0``.
 Depends on algos, batch, config and the learner's batching / forward / logprobs / optim /
@@ -24,18 +30,26 @@ from torch import Tensor, nn
 
 from streamrl import algos
 from streamrl.batch import Batch
-from streamrl.config import ActorConfig, Config
+from streamrl.config import Config
 from streamrl.learner.batching import Plan
 from streamrl.learner.forward import MicroBatch, gather_rows
 from streamrl.learner.logprobs import policy_log_probs
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
-from streamrl.learner.update_loop import Counts, MetricAccumulator, run_update
+from streamrl.learner.update_loop import (
+    Counts,
+    MetricAccumulator,
+    all_reduce,
+    global_counts,
+    run_update,
+)
 
 Planner = Callable[[Batch], Plan]
 
 
-def policy_loss_config(actor: ActorConfig) -> algos.PolicyLossConfig:
-    """ActorConfig -> algos.PolicyLossConfig; recompute_log_prob=False is bypass mode."""
+def policy_loss_config(cfg: Config) -> algos.PolicyLossConfig:
+    """cfg.actor -> algos.PolicyLossConfig; recompute_log_prob=False is bypass mode, and
+    Dr. GRPO's horizon defaults to the response budget."""
+    actor = cfg.actor
     return algos.PolicyLossConfig(
         loss_mode=actor.policy_loss,
         clip_ratio=actor.clip_ratio,
@@ -43,12 +57,15 @@ def policy_loss_config(actor: ActorConfig) -> algos.PolicyLossConfig:
         clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
         loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=(cfg.response_budget if actor.loss_scale_factor is None
+                           else actor.loss_scale_factor),
         bypass=not actor.recompute_log_prob,
         tis_cap=actor.tis_cap,
         rollout_is_level=actor.rollout_is_level,
         rollout_is_batch_normalize=actor.rollout_is_batch_normalize,
         icepop_low=actor.icepop_low,
         icepop_high=actor.icepop_high,
+        icepop_level=actor.icepop_level,
         rejection_low=actor.rejection_low,
         rejection_high=actor.rejection_high,
         rollout_rs=actor.rollout_rs,
@@ -112,7 +129,7 @@ class Actor:
     def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
         self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
         self.acfg = cfg.actor
-        self.loss_cfg = policy_loss_config(cfg.actor)
+        self.loss_cfg = policy_loss_config(cfg)
         self.optimizer = build_optimizer(model, cfg.actor.optim)
         self.scheduler = build_lr_scheduler(
             self.optimizer, cfg.actor.optim, cfg.trainer.total_steps
@@ -154,10 +171,45 @@ class Actor:
             micro_loss=self._micro_loss,
             prefix="actor",
             device=self.device,
+            count=self._count,
         )
         if self.acfg.use_kl_loss:
             out["actor/kl_coef"] = self.acfg.kl_loss_coef
         return out
+
+    def _count(self, micros: list[MicroBatch], device: torch.device) -> Counts:
+        """The mini-batch's counts of kept tokens and its IS normalisation factor (see the
+        module docstring); plain token counts when the correction rejects nothing."""
+        cfg = self.loss_cfg
+        normalises = cfg.tis_cap is not None and cfg.rollout_is_batch_normalize
+        if not (cfg.rejects or normalises):
+            return global_counts(micros, device)
+        parts = torch.zeros(2, dtype=torch.float64, device=device)
+        for mb in micros:
+            mask = mb.column("response_mask", device)
+            log_ratio = self._reference(mb) - mb.column("rollout_log_probs", device)
+            if cfg.rejects:
+                mb.keep = algos.rollout_correction(cfg, log_ratio, mask)[1]
+            if normalises:
+                parts += algos.is_batch_norm_parts(cfg, log_ratio, mask).to(parts)
+        counts = global_counts(micros, device)
+        if not normalises:
+            return counts
+        total, n = all_reduce(parts).tolist()
+        return Counts(counts.tokens, counts.seqs,
+                      torch.tensor(total / n if n > 0 else 1.0, device=device))
+
+    def _reference(self, mb: MicroBatch) -> Tensor:
+        """What the rollout correction compares with the behaviour: the proximal log-probs, or
+        (bypass) the current ones, from a no-grad forward when not known yet."""
+        if not self.loss_cfg.bypass:
+            if mb.proximal is not None:
+                return mb.proximal
+            if "old_log_probs" in mb.batch.tensors:
+                return mb.column("old_log_probs", self.device)
+        with torch.no_grad():
+            return policy_log_probs(self.model, mb, self.device,
+                                    temperature=self.cfg.rollout.temperature)[0]
 
     def _micro_loss(self, mb: MicroBatch, counts: Counts, metrics: MetricAccumulator) -> Tensor:
         acfg, dev = self.acfg, self.device
@@ -181,11 +233,16 @@ class Actor:
             metrics.add_mean("rollout/logprob_abs_diff",
                              float(algos.masked_mean((rollout - mb.proximal).abs(), mask)), weight)
         old = mb.proximal
-        norm = {"num_tokens": counts.tokens, "num_seqs": counts.seqs}
         pg_loss, pg_metrics = algos.compute_policy_loss_from_config(
             self.loss_cfg, old, log_prob, mb.column("advantages", dev), mask,
-            rollout_log_prob=rollout, **norm,
+            rollout_log_prob=rollout, keep=mb.keep,
+            is_batch_norm_factor=counts.is_batch_norm_factor, num_tokens=counts.tokens,
+            num_seqs=counts.seqs,
         )
+        # The entropy and KL terms aggregate like the policy loss, rejected tokens left out.
+        mask = mb.loss_mask(dev)
+        norm = {"num_tokens": counts.tokens, "num_seqs": counts.seqs,
+                "loss_scale_factor": self.loss_cfg.loss_scale_factor}
         ent = algos.agg_loss(entropy, mask, acfg.loss_agg_mode, **norm)
         loss = pg_loss - acfg.entropy_coeff * ent
         metrics.add_sum("actor/pg_loss", float(pg_loss.detach()))

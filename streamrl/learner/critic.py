@@ -75,6 +75,7 @@ class Critic:
             vpreds, mb.column("returns", dev), mb.column("values", dev), mask,
             self.cfg.critic.cliprange_value, self.cfg.critic.loss_agg_mode,
             num_tokens=counts.tokens, num_seqs=counts.seqs,
+            loss_scale_factor=self.cfg.response_budget,
         )
         weight = float(mask.sum())
         metrics.add_sum("critic/vf_loss", float(vf_loss.detach()))

@@ -38,6 +38,9 @@ class MicroBatch:
     proximal: Tensor | None = None
     """The proximal ("old") log-probs of these rows, [n, R], once the update's first pass over
     this micro-batch has set them (``Actor.update``)."""
+    keep: Tensor | None = None
+    """[n, R] bool: the response tokens the rollout correction keeps in the loss (its rejection
+    rules drop the others), when the actor's mini-batch pre-pass has set it."""
 
     @classmethod
     def of(cls, batch: Batch, rows: list[int], packed: bool) -> MicroBatch:
@@ -48,6 +51,11 @@ class MicroBatch:
         idx = torch.tensor(self.rows, device=self.batch.tensors[key].device)
         out = self.batch.tensors[key][idx].to(device)
         return torch.zeros_like(out) if self.dummy and key == "response_mask" else out
+
+    def loss_mask(self, device: torch.device) -> Tensor:
+        """The response mask without the tokens ``keep`` rejects."""
+        mask = self.column("response_mask", device)
+        return mask if self.keep is None else mask * self.keep.to(device=device, dtype=mask.dtype)
 
 
 def value_forward(model: nn.Module, mb: MicroBatch, device: torch.device) -> Tensor:

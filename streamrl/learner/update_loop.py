@@ -1,9 +1,11 @@
 """The optimisation loop shared by actor and critic: epochs x mini-batches x micro-batches.
 
 Parts:
-- ``Counts``: a mini-batch's valid tokens and non-empty sequences, summed over all ranks. Every
-  micro-batch loss is normalised by these global counts, so micro-batch losses add up to the
-  mini-batch loss and the gradient does not depend on how the mini-batch is split.
+- ``Counts``: a mini-batch's valid tokens and non-empty sequences (tokens a micro-batch's
+  ``keep`` mask rejects excluded), summed over all ranks. Every micro-batch loss is normalised
+  by these global counts, so micro-batch losses add up to the mini-batch loss and the gradient
+  does not depend on how the mini-batch is split. A loss may compute its own (``count``: the
+  actor's counts after its rollout-correction pre-pass).
 - ``MetricAccumulator``: per-mini-batch sums (loss terms) and token-weighted means (clip
   fractions, KL), reduced across ranks in one all-reduce, then averaged over mini-batches.
 - ``run_update``: the loop. FSDP2 averages gradients over ranks, so each rank backpropagates
@@ -49,15 +51,18 @@ def sync_max(value: int, device: torch.device) -> int:
 @dataclass(frozen=True)
 class Counts:
     tokens: Tensor
-    """Valid (response_mask) tokens in the whole mini-batch, all ranks."""
+    """Valid (response_mask, and ``keep``) tokens in the whole mini-batch, all ranks."""
     seqs: Tensor
-    """Sequences with at least one valid token in the whole mini-batch, all ranks."""
+    """Sequences with at least one such token in the whole mini-batch, all ranks."""
+    is_batch_norm_factor: Tensor | None = None
+    """The mini-batch's mean truncated IS weight, when the rollout correction normalises by
+    it (``algos.is_batch_norm_parts``)."""
 
 
 def global_counts(micros: list[MicroBatch], device: torch.device) -> Counts:
     local = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in micros:
-        mask = mb.column("response_mask", device)
+        mask = mb.loss_mask(device)
         local[0] += mask.sum()
         local[1] += (mask.sum(-1) > 0).sum()
     total = all_reduce(local)
@@ -104,6 +109,8 @@ class MetricAccumulator:
 
 MicroLoss = Callable[[MicroBatch, Counts, MetricAccumulator], Tensor]
 """Computes one micro-batch's loss (normalised by the global counts) and records its metrics."""
+CountFn = Callable[[list[MicroBatch], torch.device], Counts]
+"""A mini-batch's global counts, taken before its first micro-batch's forward."""
 
 
 def run_update(
@@ -117,6 +124,7 @@ def run_update(
     micro_loss: MicroLoss,
     prefix: str,
     device: torch.device,
+    count: CountFn = global_counts,
 ) -> dict[str, float]:
     """Train ``epochs`` passes over ``micro_batches`` (mini -> micro); returns averaged metrics."""
     metrics = MetricAccumulator()
@@ -124,7 +132,7 @@ def run_update(
     scale = float(_world())
     for _ in range(epochs):
         for micros in micro_batches:
-            counts = global_counts(micros, device)
+            counts = count(micros, device)
             if counts.tokens.item() == 0:
                 log.warning("%s: skipping a mini-batch without valid tokens", prefix)
                 empty += 1

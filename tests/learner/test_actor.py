@@ -164,14 +164,28 @@ def test_policy_loss_modes_train(tiny_model_dir, tmp_path, overrides) -> None:
         assert "rollout_corr/rollout_rs_seq_mean_k3_masked_fraction" in metrics
 
 
-@pytest.mark.parametrize("overrides", [
-    {"actor.policy_loss": "reinforce", "actor.recompute_log_prob": False, "actor.tis_cap": 1.02},
-    {"actor.rollout_rs": "token_k1", "actor.rollout_rs_threshold": "0.95_1.05"},
-], ids=["reinforce-bypass-tis", "rollout-rs"])
-def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides) -> None:
+TIS_METRICS = ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_ratio_fraction_high"]
+
+
+@pytest.mark.parametrize(("overrides", "binding"), [
+    ({"actor.policy_loss": "reinforce", "actor.recompute_log_prob": False, "actor.tis_cap": 1.02},
+     TIS_METRICS),
+    ({"actor.tis_cap": 1.02, "actor.rollout_is_batch_normalize": True},
+     [*TIS_METRICS, "rollout_corr/rollout_is_batch_norm_factor"]),
+    ({"actor.rollout_rs": "token_k1", "actor.rollout_rs_threshold": "0.95_1.05"},
+     ["rollout_corr/rollout_rs_masked_fraction"]),
+    ({"actor.recompute_log_prob": False, "actor.tis_cap": None, "actor.icepop_low": 0.97,
+      "actor.icepop_high": 1.03}, ["rollout_corr/icepop_maskfrac"]),
+    ({"actor.tis_cap": None, "actor.icepop_low": 0.9, "actor.icepop_high": 1.1,
+      "actor.icepop_level": "sequence"}, ["rollout_corr/icepop_maskfrac"]),
+], ids=["reinforce-bypass-tis", "tis-batch-normalised", "rollout-rs", "icepop-bypass",
+        "icepop-sequence"])
+def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides, binding) -> None:
     """One epoch, one mini-batch: the micro-batch losses the update sums (and its token-mean
     metrics) are algos' loss over the whole batch at the starting weights, which the correction
-    changes."""
+    changes. Rejected tokens leave the denominators of the whole mini-batch (the actor's
+    pre-pass counts them over every micro-batch) and a batch-normalised IS weight is divided by
+    the mini-batch's mean, not by each micro-batch's."""
     worker = make_worker(tiny_model_dir, tmp_path, **overrides)
     batch = make_batch(seed=5)
     torch.manual_seed(0)
@@ -179,7 +193,7 @@ def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides) -> N
         torch.randn_like(batch["rollout_log_probs"]) * batch["response_mask"])
     prepared = with_advantages(worker.prepare(batch), worker.cfg)
     log_prob = worker.actor.compute_log_prob(prepared)
-    loss_cfg = policy_loss_config(worker.cfg.actor)
+    loss_cfg = policy_loss_config(worker.cfg)
     old = prepared["rollout_log_probs"] if loss_cfg.bypass else log_prob
     args = (old, log_prob, prepared["advantages"], prepared["response_mask"])
     expected, expected_metrics = algos.compute_policy_loss_from_config(
@@ -188,15 +202,14 @@ def test_update_loss_is_the_algos_loss(tiny_model_dir, tmp_path, overrides) -> N
         algos.PolicyLossConfig(loss_mode=loss_cfg.loss_mode, bypass=loss_cfg.bypass), *args,
         rollout_log_prob=prepared["rollout_log_probs"])
     assert abs(float(expected - uncorrected)) > 1e-4  # the correction matters here
+    assert len(worker.actor.planner(prepared)[0]) > 1  # several micro-batches to add up
     metrics = worker.update(prepared)
     assert metrics["actor/skipped_steps"] == 0 and metrics["actor/grad_norm"] > 0
     assert metrics["actor/pg_loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
-    token_means = ["actor/ppo_kl", "rollout_corr/kl"] + (
-        ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_ratio_fraction_high"]
-        if "actor.tis_cap" in overrides else ["rollout_corr/rollout_rs_masked_fraction"])
-    for key in token_means:
+    for key in ["actor/ppo_kl", "rollout_corr/kl", *binding]:
         assert metrics[key] == pytest.approx(expected_metrics[key], rel=1e-4, abs=1e-6), key
-    assert 0 < metrics[token_means[-1]] < 1  # the cap / the rejection binds on some tokens
+    if "rollout_corr/rollout_is_batch_norm_factor" not in binding:
+        assert 0 < metrics[binding[-1]] < 1  # the cap / the rejection binds on some tokens
 
 
 def test_kl_loss_against_frozen_reference(tiny_model_dir, tmp_path) -> None:
@@ -263,3 +276,24 @@ def test_full_parameters_have_hf_names_and_dtype(tiny_model_dir, tmp_path) -> No
     for name, tensor in got.items():
         assert tensor.dtype == torch.bfloat16
         torch.testing.assert_close(tensor, expected[name].detach().to(torch.bfloat16))
+
+
+def test_dr_grpo_horizon_is_the_response_budget(tmp_path) -> None:
+    """seq-mean-token-sum-norm divides by a constant: the configured budget (verl pads every
+    response to it), not the widest response of a batch, unless actor.loss_scale_factor says."""
+    def factor(**overrides: object) -> float | None:
+        cfg = make_config(tmp_path, tmp_path, **{"actor.loss_agg_mode": "seq-mean-token-sum-norm",
+                                                 **overrides})
+        return policy_loss_config(cfg).loss_scale_factor
+
+    assert factor() == 16  # rollout.max_new_tokens
+    assert factor(**{"actor.loss_scale_factor": 100.0}) == 100.0
+    assert factor(**{"rollout.agent": "calculator",
+                     "rollout.max_episode_tokens": 40}) == 40
+    # a batch 5 tokens wide: its loss divides by 16 per sequence, not by 5
+    loss_cfg = algos.PolicyLossConfig(loss_agg_mode="seq-mean-token-sum-norm",
+                                      loss_scale_factor=factor())
+    log_prob = torch.zeros(2, 5)
+    loss, _ = algos.compute_policy_loss_from_config(
+        loss_cfg, log_prob, log_prob, torch.ones(2, 5), torch.ones(2, 5))
+    assert float(loss) == pytest.approx(-5 / 16)
