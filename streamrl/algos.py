@@ -119,6 +119,7 @@ __all__ = [
     "register_adv_estimator",
     "register_policy_loss",
     "rollout_correction",
+    "truncate_logits_",
 ]
 
 # Log-ratios are clamped to +-LOG_RATIO_BOUND before exp (verl's bound): exp(20) ~ 4.9e8 is
@@ -173,9 +174,11 @@ def _row_slices(n_rows: int, chunk_rows: int) -> list[slice]:
 
 
 def _chunk_logits(
-    inputs: Tensor, weight: Tensor | None, rows: slice, temperature: float, dtype: torch.dtype
+    inputs: Tensor, weight: Tensor | None, rows: slice, temperature: float, dtype: torch.dtype,
+    top_k: int, top_p: float, labels: Tensor,
 ) -> tuple[Tensor, bool]:
-    """(rows of logits / temperature in ``dtype``, whether that tensor is ours to overwrite)."""
+    """(rows of logits / temperature in ``dtype``, truncated to the top-k / top-p set, and
+    whether that tensor is ours to overwrite)."""
     block = inputs[rows]
     if weight is not None:
         z, owned = (block @ weight.T).to(dtype), True
@@ -184,12 +187,40 @@ def _chunk_logits(
         owned = z.data_ptr() != block.data_ptr()
     if temperature != 1.0:
         z, owned = (z.div_(temperature) if owned else z / temperature), True
+    if top_k > 0 or top_p < 1.0:
+        z, owned = truncate_logits_(z if owned else z.clone(), top_k, top_p, labels), True
     return z, owned
+
+
+def truncate_logits_(z: Tensor, top_k: int, top_p: float, labels: Tensor | None = None) -> Tensor:
+    """``z`` [rows, vocab] (logits / temperature) with -inf, in place, outside each row's
+    top-k / top-p set, as vLLM's sampler builds it: top-k keeps the k largest (ties with the
+    k-th too), then top-p sorts the rest ascending and drops a token while the renormalised
+    mass of it and every smaller one is <= 1 - top_p (the largest always stays). ``labels``
+    [rows]: the token each row is scored on stays in (an off-policy token the current weights
+    would have cut gets the log-prob of the set plus itself, not -inf)."""
+    if top_k <= 0 and top_p >= 1.0:
+        return z
+    label_z = z.gather(-1, labels[:, None]) if labels is not None else None
+    if 0 < top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[:, -1:]
+        z.masked_fill_(z < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1)
+        cumulative = sorted_z.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= 1.0 - top_p
+        drop[:, -1] = False
+        z.scatter_(-1, order, sorted_z.masked_fill_(drop, -math.inf))
+    if label_z is not None and labels is not None:
+        z.scatter_(-1, labels[:, None], label_z)
+    return z
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """Per-token log-probs and entropies of softmax(logits / temperature), ``chunk_rows`` rows at
-    a time, with logits = ``inputs`` (weight None) or ``inputs @ weight.T`` (a fused LM head).
+    a time, with logits = ``inputs`` (weight None) or ``inputs @ weight.T`` (a fused LM head);
+    with top_k / top_p, of that softmax renormalised over the sampler's set
+    (``truncate_logits_``).
 
     Saves only its inputs plus O(rows) statistics (log-sum-exp, entropy) and recomputes each
     chunk's softmax in backward, so at most one chunk's [chunk_rows, vocab] block (and its
@@ -200,7 +231,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, inputs: Tensor, weight: Tensor | None, labels: Tensor, temperature: float,
-        chunk_rows: int, with_entropy: bool, entropy_grad: bool,
+        chunk_rows: int, with_entropy: bool, entropy_grad: bool, top_k: int, top_p: float,
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
@@ -209,13 +240,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse = torch.empty_like(log_probs)
         entropy = torch.empty_like(log_probs) if with_entropy else log_probs.new_empty(0)
         for rows in _row_slices(n, chunk_rows):
-            z, owned = _chunk_logits(inputs, weight, rows, temperature, dtype)
+            z, owned = _chunk_logits(inputs, weight, rows, temperature, dtype, top_k, top_p,
+                                     labels[rows])
             chunk_lse = torch.logsumexp(z, dim=-1)
             lse[rows] = chunk_lse
             log_probs[rows] = z.gather(-1, labels[rows, None]).squeeze(-1) - chunk_lse
             if with_entropy:  # -sum(p * log p), in log_p's memory; lse - sum(p * z) would cancel
                 log_p = z.sub_(chunk_lse[:, None]) if owned else z - chunk_lse[:, None]
                 del z
+                if top_k > 0 or top_p < 1.0:  # cut tokens: 0 * min, not 0 * -inf
+                    log_p.clamp_(min=torch.finfo(dtype).min)
                 entropy[rows] = -log_p.mul_(log_p.exp()).sum(-1)
                 del log_p
             else:
@@ -224,6 +258,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(inputs, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+        ctx.top_k, ctx.top_p = top_k, top_p
         return log_probs, entropy
 
     @staticmethod
@@ -232,16 +267,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         inputs, weight, labels, lse, entropy = ctx.saved_tensors
         need_inputs, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 5
+        none = (None,) * 7
         if grad_lp is None and grad_ent is None:
             return None, None, *none
         grad_inputs = torch.empty_like(inputs) if need_inputs else None
         grad_weight = (torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, ctx.dtype))
                        if need_weight else None)
         for rows in _row_slices(inputs.shape[0], ctx.chunk_rows):
-            z, owned = _chunk_logits(inputs, weight, rows, ctx.temperature, ctx.dtype)
+            z, owned = _chunk_logits(inputs, weight, rows, ctx.temperature, ctx.dtype, ctx.top_k,
+                                     ctx.top_p, labels[rows])
             log_p = z.sub_(lse[rows, None]) if owned else z - lse[rows, None]
             del z
+            if ctx.top_k > 0 or ctx.top_p < 1.0:
+                log_p.clamp_(min=torch.finfo(ctx.dtype).min)
             probs = log_p.exp()
             if grad_ent is not None:  # -g_H * p * (log p + H), in log_p's memory
                 grad = log_p.add_(entropy[rows, None]).mul_(probs).mul_(-grad_ent[rows, None])
@@ -279,10 +317,15 @@ def chunked_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     chunk_rows: int = 1024,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     """(log_softmax(z / temperature)[label], entropy of softmax(z / temperature) or None) per
     position, fp32 (fp64 for fp64 inputs), where z = ``inputs`` [..., vocab] when ``weight`` is
     None, else z = ``inputs @ weight.T`` for hidden states [..., H] and an LM head [vocab, H].
+    With ``top_k`` > 0 or ``top_p`` < 1, the distribution is the sampler's: z / temperature cut
+    to its top-k / top-p set and renormalised (``truncate_logits_``; the label always stays in
+    the set), so the log-probs equal vLLM's processed log-probs of the sampled tokens.
 
     Memory: ``chunk_rows`` rows of z at a time, in forward and backward (recomputed there); the
     autograd graph keeps only the inputs and two O(rows) vectors, never a [rows, vocab] tensor,
@@ -299,7 +342,7 @@ def chunked_log_probs(
     flat = inputs.reshape(-1, inputs.shape[-1])
     log_probs, entropy = _ChunkedLogProbs.apply(
         flat, weight, labels.reshape(-1).long(), float(temperature), chunk_rows, with_entropy,
-        entropy_grad,
+        entropy_grad, int(top_k), float(top_p),
     )
     return log_probs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy
                                              else None)

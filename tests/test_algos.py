@@ -208,6 +208,37 @@ def _saved_bytes(fn: Callable[[], object]) -> int:
     return sum(storages.values())
 
 
+def test_top_k_top_p_log_probs_by_hand() -> None:
+    # z = 2, 1, 0.5, -1. top_k 3 cuts -1; top_p 0.7 over softmax(2, 1, 0.5) = .629, .231, .140:
+    # ascending, 0.140 <= 1 - 0.7 is dropped, .140 + .231 > 0.3 stays: the set is {0, 1}.
+    # Labels 2 and 3 lie outside it and are scored over the set plus themselves.
+    logits = t([[2.0, 1.0, 0.5, -1.0]] * 4).requires_grad_()
+    labels = torch.tensor([0, 1, 2, 3])
+    lp, ent = algos.chunked_log_probs(logits, labels, top_k=3, top_p=0.7, with_entropy=True,
+                                      entropy_grad=True, chunk_rows=3)
+    e = math.exp
+    two = LN(e(2) + e(1))
+    assert close(lp.detach(), [2 - two, 1 - two, 0.5 - LN(e(2) + e(1) + e(0.5)),
+                               -1 - LN(e(2) + e(1) + e(-1))])
+    p0 = e(2) / (e(2) + e(1))
+    assert ent is not None and close(ent[0].detach(), -(p0 * LN(p0) + (1 - p0) * LN(1 - p0)))
+    # gradients: autograd through the same masking (the set is piecewise constant in z)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    ref_in = logits.detach().clone().requires_grad_()
+    kept = torch.isfinite(algos.truncate_logits_(logits.detach().clone(), 3, 0.7, labels))
+    log_p = torch.log_softmax(ref_in.masked_fill(~kept, -math.inf), -1)
+    probs = log_p.exp()
+    ref_ent = -(probs * torch.where(probs > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    (log_p.gather(-1, labels[:, None]).sum() + 0.5 * ref_ent.sum()).backward()
+    assert logits.grad is not None and ref_in.grad is not None
+    assert torch.allclose(logits.grad, ref_in.grad, atol=1e-6)
+    assert logits.grad[0, 2:].abs().sum() == 0  # cut tokens get no gradient
+    # off: the plain softmax, unchanged
+    plain, _ = algos.chunked_log_probs(logits.detach(), labels)
+    full = torch.log_softmax(logits.detach(), -1).gather(-1, labels[:, None])[:, 0]
+    assert torch.allclose(plain, full)
+
+
 def test_chunked_log_probs_save_only_inputs() -> None:
     T, H, V, chunk = 512, 32, 4096, 128
     chunks_x_block = (T // chunk) * chunk * V * 4  # every chunk's fp32 [chunk, V]

@@ -24,6 +24,7 @@ update_loop.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -73,6 +74,13 @@ def policy_loss_config(cfg: Config) -> algos.PolicyLossConfig:
     )
 
 
+def sampling_of(cfg: Config) -> dict[str, Any]:
+    """The distribution the rollout samples from (``policy_log_probs``' keywords): the learner's
+    log-probs are of it, so that on-policy they equal the replicas' processed log-probs."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p}
+
+
 def micro_batches(batch: Batch, plan: Plan, packed: bool) -> list[list[MicroBatch]]:
     return [[MicroBatch.of(batch, rows, packed) for rows in mini] for mini in plan]
 
@@ -84,7 +92,7 @@ def log_probs_over_plan(
     *,
     packed: bool,
     device: torch.device,
-    temperature: float,
+    sampling: dict[str, Any],
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """[B, R] log-probs (and entropies) for the whole batch: this rank's rows computed, then
@@ -95,7 +103,7 @@ def log_probs_over_plan(
         for mini in micro_batches(batch, plan, packed):
             for mb in mini:
                 log_probs, entropy = policy_log_probs(
-                    model, mb, device, temperature=temperature, with_entropy=with_entropy
+                    model, mb, device, **sampling, with_entropy=with_entropy
                 )
                 rows = [] if mb.dummy else mb.rows
                 lp_parts.append((rows, log_probs))
@@ -118,7 +126,7 @@ class ReferencePolicy:
     def compute_ref_log_prob(self, batch: Batch) -> Tensor:
         log_probs, _ = log_probs_over_plan(
             self.model, batch, self.planner(batch), packed=self.cfg.actor.use_dynamic_bsz,
-            device=self.device, temperature=self.cfg.rollout.temperature,
+            device=self.device, sampling=sampling_of(self.cfg),
         )
         return log_probs
 
@@ -129,6 +137,7 @@ class Actor:
     def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
         self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
         self.acfg = cfg.actor
+        self.sampling = sampling_of(cfg)
         self.loss_cfg = policy_loss_config(cfg)
         self.optimizer = build_optimizer(model, cfg.actor.optim)
         self.scheduler = build_lr_scheduler(
@@ -141,8 +150,7 @@ class Actor:
         """Proximal log-probs [B, R] with the current weights (and entropies if asked)."""
         log_probs, entropy = log_probs_over_plan(
             self.model, batch, self.planner(batch), packed=self.acfg.use_dynamic_bsz,
-            device=self.device, temperature=self.cfg.rollout.temperature,
-            with_entropy=with_entropy,
+            device=self.device, sampling=self.sampling, with_entropy=with_entropy,
         )
         return (log_probs, entropy) if with_entropy else log_probs
 
@@ -208,14 +216,13 @@ class Actor:
             if "old_log_probs" in mb.batch.tensors:
                 return mb.column("old_log_probs", self.device)
         with torch.no_grad():
-            return policy_log_probs(self.model, mb, self.device,
-                                    temperature=self.cfg.rollout.temperature)[0]
+            return policy_log_probs(self.model, mb, self.device, **self.sampling)[0]
 
     def _micro_loss(self, mb: MicroBatch, counts: Counts, metrics: MetricAccumulator) -> Tensor:
         acfg, dev = self.acfg, self.device
         # The entropy is a metric only (no graph, no backward work) unless it is in the loss.
         log_prob, entropy = policy_log_probs(
-            self.model, mb, dev, temperature=self.cfg.rollout.temperature, with_entropy=True,
+            self.model, mb, dev, **self.sampling, with_entropy=True,
             entropy_grad=acfg.entropy_coeff != 0,
         )
         assert entropy is not None

@@ -74,12 +74,15 @@ def token_log_probs(
     labels: Tensor,
     *,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(log_softmax(hidden @ weight.T / temperature)[label], entropy or None), each
-    ``labels.shape`` fp32; the entropy carries gradients only with ``entropy_grad``."""
-    liger = _liger(hidden.device.type)
+    ``labels.shape`` fp32, over the top-k / top-p set when they are on; the entropy carries
+    gradients only with ``entropy_grad``. liger has no truncation: the torch backend then."""
+    liger = _liger(hidden.device.type) if top_k <= 0 and top_p >= 1.0 else None
     if liger is not None:
         try:
             out = liger.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
@@ -96,7 +99,8 @@ def token_log_probs(
             return (-nll).float().reshape(labels.shape), entropy
     return algos.chunked_log_probs(
         hidden, labels, weight, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, chunk_rows=_chunk_rows(weight.shape[0]),
+        entropy_grad=entropy_grad, chunk_rows=_chunk_rows(weight.shape[0]), top_k=top_k,
+        top_p=top_p,
     )
 
 
@@ -116,13 +120,16 @@ def head_log_probs(
     labels: Tensor,
     *,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
     **model_inputs: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """``model(**model_inputs)`` with the LM head's [.., L, H] input turned into log-probs of
     ``labels`` [.., L] (and entropies), never materialising the [.., L, V] logits."""
-    kw = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+          "with_entropy": with_entropy, "entropy_grad": entropy_grad}
     head = fused_head(model)
     if head is None:
         logits = model(**model_inputs).logits
@@ -162,13 +169,16 @@ def policy_log_probs(
     device: torch.device,
     *,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(log_probs, entropy or None), each [n, R] fp32, zeros on padding positions: log-probs
-    of ``logits / temperature`` (the distribution the rollout sampled from, as verl),
-    computed in the head."""
-    kw = {"temperature": temperature, "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    of ``logits / temperature`` cut to the top-k / top-p set (the distribution the rollout
+    sampled from: vLLM's processed log-probs), computed in the head."""
+    kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+          "with_entropy": with_entropy, "entropy_grad": entropy_grad}
     if mb.packed:
         pb = mb.batch.pack(mb.rows).to(device)
         keep = pb.predict_mask[0].nonzero().squeeze(-1)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from streamrl import algos
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 
 _PAUSE_POLL_S = 0.02
@@ -39,18 +40,8 @@ def processed_logprobs(
     logits = logits.float()
     if temperature <= 0:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+    z = (logits / temperature).reshape(-1, logits.shape[-1])
+    return torch.log_softmax(algos.truncate_logits_(z, top_k, top_p), dim=-1).reshape(logits.shape)
 
 
 class HFEngine(RolloutEngine):

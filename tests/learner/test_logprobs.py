@@ -30,16 +30,19 @@ def forward_and_grads(fn, model, mb: MicroBatch, **kw) -> list[torch.Tensor]:
     return [log_probs.detach(), entropy.detach(), *grads]
 
 
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize(("packed", "top_k", "top_p"),
+                         [(True, -1, 1.0), (False, -1, 1.0), (True, 20, 0.9)])
 def test_head_log_probs_equal_the_full_logits_under_fsdp2(tiny_model_dir: Path, tmp_path: Path,
-                                                         packed: bool) -> None:
+                                                         packed: bool, top_k: int,
+                                                         top_p: float) -> None:
     worker = LearnerWorker(make_config(tiny_model_dir, tmp_path), 0, 1, "127.0.0.1", free_port())
     model = worker.actor.model  # fully_shard'ed: lm_head.weight (tied) is a DTensor here
     assert type(model.lm_head.weight).__name__ == "DTensor"
     assert model.lm_head.weight is model.model.embed_tokens.weight
     mb = MicroBatch.of(make_batch(3, 4, seed=3), ROWS, packed)
-    want = forward_and_grads(logits_policy_forward, model, mb)
-    got = forward_and_grads(policy_log_probs, model, mb, entropy_grad=True)
+    cut = {"top_k": top_k, "top_p": top_p}  # the sampler's set (issue 41.1)
+    want = forward_and_grads(logits_policy_forward, model, mb, **cut)
+    got = forward_and_grads(policy_log_probs, model, mb, entropy_grad=True, **cut)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # The entropy is a metric unless asked for with gradients; without it, None.
@@ -47,7 +50,8 @@ def test_head_log_probs_equal_the_full_logits_under_fsdp2(tiny_model_dir: Path, 
     assert log_probs.requires_grad and entropy is not None and not entropy.requires_grad
     assert policy_log_probs(model, mb, CPU)[1] is None
     with torch.no_grad():  # prepare's path
-        torch.testing.assert_close(policy_log_probs(model, mb, CPU, temperature=0.7)[0], want[0],
+        torch.testing.assert_close(policy_log_probs(model, mb, CPU, temperature=0.7, **cut)[0],
+                                   want[0],
                                    atol=1e-5, rtol=1e-5)
 
 

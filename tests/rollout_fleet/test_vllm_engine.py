@@ -193,6 +193,51 @@ def test_logprobs_equal_teacher_forced_hf(engine, loop, hf_model, temperature, t
         assert torch.cat(raw_diffs).mean().item() > 10 * mean_diff
 
 
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (-1, 0.9), (20, 0.9), (5, 0.5)])
+def test_truncation_is_vllms_own(top_k, top_p):
+    """algos.truncate_logits_ keeps exactly the tokens vLLM's sampler keeps."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from streamrl import algos
+
+    z = torch.randn(64, 320, generator=torch.Generator().manual_seed(top_k + 7)) * 3
+    theirs = apply_top_k_top_p_pytorch(
+        z.clone(), torch.full((64,), top_k if top_k > 0 else 320), torch.full((64,), top_p))
+    ours = algos.truncate_logits_(z.clone(), top_k, top_p)
+    assert torch.equal(torch.isfinite(theirs), torch.isfinite(ours))
+    assert 0 < torch.isfinite(ours).sum(-1).float().mean() < 320
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 1.0), (-1, 0.9), (20, 0.9)])
+def test_learner_log_probs_equal_the_samplers_on_policy(engine, loop, hf_model, top_k, top_p):
+    """Issue 41.1: with top-k / top-p the learner scores tokens under the same truncated
+    distribution vLLM sampled them from, so on-policy the IS weight pi / pi_behaviour averages
+    1 (the full softmax gave 0.66 at top_k=20)."""
+    from streamrl import algos
+
+    temperature = 0.8
+    params = SamplingParams(n=8, temperature=temperature, top_k=top_k, top_p=top_p,
+                            max_tokens=16)
+    ours, full, behaviour = [], [], []
+    for c in _gen(loop, engine, params, rid=f"trunc-{top_k}-{top_p}"):
+        ids = torch.tensor([PROMPT + c.token_ids])
+        with torch.no_grad():
+            logits = hf_model(input_ids=ids).logits[0, len(PROMPT) - 1:-1]
+        tokens = torch.tensor(c.token_ids)
+        sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        ours.append(algos.chunked_log_probs(logits, tokens, **sampling)[0])
+        full.append(algos.chunked_log_probs(logits, tokens, temperature=temperature)[0])
+        behaviour.append(torch.tensor(c.logprobs))
+    gap = torch.cat(ours) - torch.cat(behaviour)
+    is_mean = gap.exp().mean().item()
+    full_is_mean = (torch.cat(full) - torch.cat(behaviour)).exp().mean().item()
+    print(f"top_k={top_k} top_p={top_p}: |gap| {gap.abs().mean().item():.2e}, "
+          f"IS mean {is_mean:.4f} (full softmax: {full_is_mean:.4f})")
+    assert gap.abs().mean().item() <= 1e-3
+    assert abs(is_mean - 1.0) <= 0.01
+    assert full_is_mean < 0.99  # the bug this pins: every token looked off-policy
+
+
 def test_logprobs_follow_every_weight_after_a_load(engine, loop, hf_model, restore):
     """After a swap the engine's log-probs are the new model's, tied lm_head included (a stale
     pre-packed lm_head once left them 0.3 nats off while greedy tests still passed)."""

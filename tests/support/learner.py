@@ -82,14 +82,21 @@ def logits_policy_forward(
     device: torch.device,
     *,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The reference: (log_probs, entropy or None) from the model's full logits (what
     ``logprobs.policy_log_probs`` computes in the LM head), each [n, R] fp32, zeros on padding.
 
-    Logits are divided by the sampling ``temperature`` first, so the log-probs are those of the
-    distribution the rollout sampled from (as verl).
+    Logits are divided by the sampling ``temperature`` first and cut to the ``top_k`` /
+    ``top_p`` set, so the log-probs are those of the distribution the rollout sampled from.
     """
+
+    def scored(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor | None]:
+        return algos.chunked_log_probs(logits, labels, top_k=top_k, top_p=top_p,
+                                       with_entropy=with_entropy, entropy_grad=with_entropy)
+
     if mb.packed:
         pb = mb.batch.pack(mb.rows).to(device)
         keep = pb.predict_mask[0].nonzero().squeeze(-1)
@@ -99,15 +106,10 @@ def logits_policy_forward(
         ).logits[0]
         logits = logits / temperature if temperature != 1.0 else logits
         total = pb.num_tokens
-        log_probs = pb.unpack_response(
-            logits.new_zeros(total).index_put((keep,), algos.logprobs_from_logits(
-                logits, pb.targets[0, keep]))
-        )
-        entropy = (
-            pb.unpack_response(logits.new_zeros(total).index_put(
-                (keep,), algos.entropy_from_logits(logits)))
-            if with_entropy else None
-        )
+        lp, ent = scored(logits, pb.targets[0, keep])
+        log_probs = pb.unpack_response(logits.new_zeros(total).index_put((keep,), lp))
+        entropy = (pb.unpack_response(logits.new_zeros(total).index_put((keep,), ent))
+                   if ent is not None else None)
         return log_probs, entropy
     responses = mb.column("responses", device)
     width = responses.shape[1]
@@ -119,8 +121,7 @@ def logits_policy_forward(
         logits_to_keep=width + 1,
     ).logits[:, :-1]
     logits = logits / temperature if temperature != 1.0 else logits
-    log_probs = algos.logprobs_from_logits(logits, responses)
-    entropy = algos.entropy_from_logits(logits) if with_entropy else None
+    log_probs, entropy = scored(logits, responses)
     # Zero the padding positions, as the packed layout does, so both layouts agree exactly.
     valid = mb.column("attention_mask", device)[:, -width:].to(log_probs.dtype)
     return log_probs * valid, (entropy * valid if entropy is not None else None)
