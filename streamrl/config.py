@@ -695,6 +695,11 @@ def validate(cfg: Config) -> Config:
         _fail("rollout.stop_token_ids", cfg.rollout.stop_token_ids, "must be token ids >= 0")
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         _fail("rollout.top_k", cfg.rollout.top_k, "must be -1 (off) or > 0")
+    if cfg.rollout.backend == "sglang" and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
+        key = "rollout.top_k" if cfg.rollout.top_k > 0 else "rollout.top_p"
+        _fail(key, _lookup(cfg, key), "needs rollout.backend=vllm or hf: SGLang returns log-probs "
+              "before the top-k / top-p cut, which the learner's (of the cut distribution) "
+              "would not match")
     if not 0.0 <= cfg.algorithm.gamma <= 1.0:
         _fail("algorithm.gamma", cfg.algorithm.gamma, "must be in [0, 1]")
     if not 0.0 <= cfg.algorithm.lam <= 1.0:
