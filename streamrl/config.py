@@ -309,6 +309,15 @@ class ActorConfig:
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
+    gspo_clip_ratio_low: float | None = None
+    gspo_clip_ratio_high: float | None = None
+    """GSPO's clip range (policy_loss=gspo; its paper uses ~3e-4 / 4e-4); None: clip_ratio_*."""
+    cispo_clip_ratio_low: float | None = None
+    cispo_clip_ratio_high: float | None = None
+    """CISPO's clip range (policy_loss=cispo); None: clip_ratio_*."""
+    decoupled_weight_cap: float | None = None
+    """policy_loss=decoupled: behaviour weights pi_prox / pi_behaviour above it become 0
+    (AReaL's behav_imp_weight_cap); None: no cap."""
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -721,14 +730,16 @@ def validate(cfg: Config) -> Config:
     if longest > cfg.rollout.max_model_len:
         _fail("rollout.max_model_len", cfg.rollout.max_model_len,
               f"is below task.max_prompt_length + {budget_key} = {longest}")
-    low, high = cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high
-    for key, value in (("actor.clip_ratio_low", low), ("actor.clip_ratio_high", high)):
+    clip_keys = [f"actor.{mode}clip_ratio_{side}" for mode in ("", "gspo_", "cispo_")
+                 for side in ("low", "high")]
+    for key, value in ((k, _lookup(cfg, k)) for k in clip_keys):
         if value is not None and value < 0:
             _fail(key, value, "must be >= 0")
     if cfg.actor.clip_ratio_c <= 1.0:
         _fail("actor.clip_ratio_c", cfg.actor.clip_ratio_c, "must be > 1 (dual-clip bound)")
-    if cfg.actor.tis_cap is not None and cfg.actor.tis_cap <= 0:
-        _fail("actor.tis_cap", cfg.actor.tis_cap, "must be > 0 or null")
+    for key in ("actor.tis_cap", "actor.decoupled_weight_cap"):
+        if _lookup(cfg, key) is not None and not _lookup(cfg, key) > 0:
+            _fail(key, _lookup(cfg, key), "must be > 0 or null")
     if cfg.actor.tis_cap is None and cfg.actor.rollout_is_level != "token":
         _fail("actor.rollout_is_level", cfg.actor.rollout_is_level,
               "sets the level of the truncated IS weights: set actor.tis_cap too")

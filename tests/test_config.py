@@ -232,6 +232,8 @@ def test_bad_mode_names_value() -> None:
      r"rollout.top_p=0.9: needs rollout.backend=vllm or hf"),
     ({"actor.icepop_level": "row"}, r"actor.icepop_level='row': must be one of"),
     ({"actor.loss_scale_factor": 0.0}, r"actor.loss_scale_factor=0.0: must be > 0"),
+    ({"actor.gspo_clip_ratio_high": -1e-4}, r"actor.gspo_clip_ratio_high=-0.0001: must be >= 0"),
+    ({"actor.decoupled_weight_cap": 0.0}, r"actor.decoupled_weight_cap=0.0: must be > 0"),
     ({"actor.clip_ratio_c": 1.0}, r"actor.clip_ratio_c=1.0"),
     ({"actor.icepop_low": 0.5}, r"actor.icepop_low=0.5: set both"),
     ({"buffer.max_staleness": 0}, r"buffer.max_staleness=0: must be >= 1 with trainer.mode"),

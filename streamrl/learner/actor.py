@@ -57,6 +57,11 @@ def policy_loss_config(cfg: Config) -> algos.PolicyLossConfig:
         clip_ratio_low=actor.clip_ratio_low,
         clip_ratio_high=actor.clip_ratio_high,
         clip_ratio_c=actor.clip_ratio_c,
+        gspo_clip_ratio_low=actor.gspo_clip_ratio_low,
+        gspo_clip_ratio_high=actor.gspo_clip_ratio_high,
+        cispo_clip_ratio_low=actor.cispo_clip_ratio_low,
+        cispo_clip_ratio_high=actor.cispo_clip_ratio_high,
+        decoupled_weight_cap=actor.decoupled_weight_cap,
         loss_agg_mode=actor.loss_agg_mode,
         loss_scale_factor=(cfg.response_budget if actor.loss_scale_factor is None
                            else actor.loss_scale_factor),

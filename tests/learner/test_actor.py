@@ -297,3 +297,15 @@ def test_dr_grpo_horizon_is_the_response_budget(tmp_path) -> None:
     loss, _ = algos.compute_policy_loss_from_config(
         loss_cfg, log_prob, log_prob, torch.ones(2, 5), torch.ones(2, 5))
     assert float(loss) == pytest.approx(-5 / 16)
+
+
+def test_every_policy_loss_setting_comes_from_the_config(tmp_path) -> None:
+    cfg = make_config(tmp_path, tmp_path, **{
+        "actor.policy_loss": "decoupled", "actor.tis_cap": None,
+        "actor.gspo_clip_ratio_low": 3e-4, "actor.gspo_clip_ratio_high": 4e-4,
+        "actor.cispo_clip_ratio_high": 5.0, "actor.decoupled_weight_cap": 4.0,
+        "actor.icepop_level": "sequence"})
+    loss_cfg = policy_loss_config(cfg)
+    assert loss_cfg.clip_range("gspo") == (3e-4, 4e-4)
+    assert loss_cfg.clip_range("cispo") == (0.2, 5.0)
+    assert loss_cfg.decoupled_weight_cap == 4.0 and loss_cfg.icepop_level == "sequence"
