@@ -21,6 +21,7 @@ import array
 import math
 import sys
 import uuid
+from collections.abc import Callable
 from itertools import compress
 from typing import Any, ClassVar
 
@@ -28,6 +29,13 @@ import msgspec
 
 OBSERVATION_VERSION = -1
 """Version stamped on tokens the policy did not sample (tool output, environment observations)."""
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def fits_float32(value: float) -> bool:
+    """Whether ``value`` stays finite as a float32, the dtype of the learner's reward tensors:
+    NaN, +-inf and magnitudes past ``FLOAT32_MAX`` (1e39 is finite in Python, inf there) do not."""
+    return abs(value) <= FLOAT32_MAX
 
 
 class DecodeError(ValueError):
@@ -170,8 +178,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
         if bytes(mask).translate(None, b"\x00\x01"):  # a byte other than 0 and 1 is left
             bad = next(m for m in mask if m not in (0, 1))
             raise ValueError(f"Trajectory {self.uid}: loss_mask must hold only 0 and 1, got {bad}")
-        if not math.isfinite(self.reward):
-            raise ValueError(f"Trajectory {self.uid}: reward={self.reward} is not finite")
+        if not fits_float32(self.reward):
+            raise ValueError(f"Trajectory {self.uid}: reward={self.reward} is not finite in "
+                             "float32 (the learner's reward tensors)")
         if self.token_rewards is not None and not all(map(math.isfinite, self.token_rewards)):
             raise ValueError(f"Trajectory {self.uid}: token_rewards holds a non-finite value")
 
@@ -183,13 +192,21 @@ class Trajectory(msgspec.Struct, kw_only=True):
     @property
     def min_version(self) -> int | None:
         """Oldest policy version that contributed a token, or None if no token was sampled."""
+        return self._policy_version(min)
+
+    @property
+    def max_version(self) -> int | None:
+        """Newest policy version that contributed a token, or None if no token was sampled."""
+        return self._policy_version(max)
+
+    def _policy_version(self, pick: Callable[..., int | None]) -> int | None:
         versions = self.versions
         if b"\x00" not in bytes(self.loss_mask):  # all policy tokens (common): no filtering
             packed = versions.tobytes()
             if packed and packed == packed[:versions.itemsize] * len(versions):
                 return versions[0]  # one version throughout (common): a memcmp, not a loop
-            return min(versions, default=None)
-        return min(compress(versions, self.loss_mask), default=None)
+            return pick(versions, default=None)
+        return pick(compress(versions, self.loss_mask), default=None)
 
     @property
     def num_policy_tokens(self) -> int:
@@ -220,11 +237,19 @@ class Group(msgspec.Struct, kw_only=True):
                 raise ValueError(
                     f"Group {self.group_id}: trajectory {traj.uid} has group_id={traj.group_id!r}"
                 )
+        if self.baseline_reward is not None and not fits_float32(self.baseline_reward):
+            raise ValueError(f"Group {self.group_id}: baseline_reward={self.baseline_reward} is "
+                             "not finite in float32 (the learner's reward tensors)")
 
     @property
     def min_version(self) -> int | None:
         versions = [v for t in self.trajectories if (v := t.min_version) is not None]
         return min(versions) if versions else None
+
+    @property
+    def max_version(self) -> int | None:
+        versions = [v for t in self.trajectories if (v := t.max_version) is not None]
+        return max(versions) if versions else None
 
     def staleness(self, learner_version: int) -> int:
         """How many updates this group's oldest policy token lags behind ``learner_version``."""

@@ -125,12 +125,16 @@ def test_mismatched_lengths_name_the_field(field: str) -> None:
         traj(**kw)
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_reward_rejected(value: float) -> None:
-    with pytest.raises(ValueError, match=r"reward=.* is not finite"):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e39, -1e39])
+def test_reward_not_finite_in_float32_rejected(value: float) -> None:
+    """1e39 is a finite Python float but inf in the learner's float32 tensors."""
+    with pytest.raises(ValueError, match=r"reward=.* is not finite in float32"):
         traj(reward=value)
     with pytest.raises(ValueError, match="token_rewards holds a non-finite value"):
         traj(token_rewards=[0.0, value, 1.0])
+    with pytest.raises(ValueError, match=r"baseline_reward=.* is not finite in float32"):
+        Group(group_id="g0", trajectories=[traj()], baseline_reward=value)
+    assert traj(reward=-3.4e38).reward == -3.4e38  # the float32 range itself is fine
 
 
 @pytest.mark.parametrize("bad", [2, -1])

@@ -1,14 +1,17 @@
 """The replay-buffer seam and the staleness bound (DESIGN.md §2).
 
 Parts: ``Admission`` (the one named place of the staleness bound, pure arithmetic over the
-learner version), ``BufferStats``, ``ReplayBuffer`` (the protocol replicas and the
-controller use), and ``PerLoop`` (the per-event-loop senders of backends that batch a loop's
-calls). Backends: ``memory.MemoryBuffer`` (in-process) and ``redis.RedisBuffer``.
+learner version), ``newer_than_learner`` (its other side: no negative staleness),
+``BufferStats``, ``ReplayBuffer`` (the protocol replicas and the controller use), and
+``PerLoop`` (the per-event-loop senders of backends that batch a loop's calls). Backends:
+``memory.MemoryBuffer`` (in-process) and ``redis.RedisBuffer``.
 
 Let B = groups per training step, eta = max staleness, V = learner version. A replica may
 *start* a group only while ``started < (V + eta + 1) * B``: admission control bounds staleness
 without dropping slow rollouts. ``take`` additionally never returns a group older than eta;
-such a group is dropped and its admission slot returned, so admission never deadlocks.
+such a group is dropped and its admission slot returned, so admission never deadlocks. Nor
+does it return a group with a token newer than V: such a group is refused (logged with who put
+it, counted, slot returned).
 
 Accounting every backend keeps (checked by tests/buffer/test_admission_property.py)::
 
@@ -72,6 +75,46 @@ class Admission:
         return group.staleness(learner_version) <= self.max_staleness
 
 
+def newer_than_learner(group: Group, newest: int | None, learner_version: int,
+                       holder: str) -> str | None:
+    """Why ``group`` must be refused at ``learner_version``, or None: a policy token stamped
+    with a version the learner has not reached (negative staleness). ``newest``: the group's
+    ``max_version``, computed once by the caller; ``holder``: who put it ("" when unknown).
+
+    Checked at take time, against the version the learner passes: a replica may put a group
+    of version V+1 before ``set_version(V+1)`` reaches the buffer, but never before the
+    learner reached V+1. Such a group comes from weights of a run the learner no longer
+    continues (replicas that kept version 12 while the learner resumed from step 10's
+    checkpoint, or entries of that run still queued) or from a corrupt stamp."""
+    if newest is None or newest <= learner_version:
+        return None
+    return (f"group {group.group_id} (prompt {group.prompt_index}, put by "
+            f"{holder or 'an unnamed holder'}) has policy versions {group.min_version}.."
+            f"{newest}, newer than learner version {learner_version} (negative staleness): "
+            "refused")
+
+
+class Refusals:
+    """Counts the groups a buffer refuses and logs them without flooding: a replica that kept
+    newer weights refuses group after group until it loads the learner's, so each holder's
+    first refusal is logged, then every ``LOG_EVERY``-th with the running count."""
+
+    LOG_EVERY = 100
+
+    def __init__(self, logger: logging.Logger, prefix: str) -> None:
+        self.count = 0
+        self._logger = logger
+        self._prefix = prefix
+        self._holders: set[str] = set()
+
+    def note(self, holder: str, reason: str) -> None:
+        self.count += 1
+        if holder not in self._holders or self.count % self.LOG_EVERY == 0:
+            self._holders.add(holder)
+            self._logger.warning("%s: %s (%d refused by this process)", self._prefix, reason,
+                                 self.count)
+
+
 @dataclass(frozen=True)
 class BufferStats:
     learner_version: int = 0
@@ -84,6 +127,9 @@ class BufferStats:
     """Groups admitted (started) but not yet put."""
     dropped: int = 0
     """Groups found older than the bound at take time (should stay 0 under admission)."""
+    refused: int = 0
+    """Groups refused at take time for a version newer than the learner's
+    (``newer_than_learner``); their slots are given back."""
     malformed: int = 0
     staleness_mean: float = 0.0
     staleness_max: int = 0
@@ -165,8 +211,9 @@ class ReplayBuffer(abc.ABC):
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
         """Block until ``n`` groups no older than the bound are available; oldest first.
 
-        Groups staler than eta at ``learner_version`` are dropped (counted, slot returned).
-        ``learner_version`` is also published if newer. Raises ``TimeoutError`` after
+        Groups staler than eta at ``learner_version`` are dropped (counted, slot returned);
+        groups newer than it are refused (``newer_than_learner``: logged, counted, slot
+        returned). ``learner_version`` is also published if newer. Raises ``TimeoutError`` after
         ``timeout`` seconds (``None``: wait forever; ``0``: do not wait).
         """
 

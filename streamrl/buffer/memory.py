@@ -10,6 +10,9 @@ asyncio: ``try_admit``, ``admit_up_to``, ``cancel_admission``, ``put``, ``put_an
 directly; ``take`` blocks, so call it as ``await asyncio.to_thread(buffer.take, n, version,
 timeout)``.
 
+``take`` drops groups staler than the bound (the heap's top) and refuses groups with a token
+newer than the learner (``base.newer_than_learner``), scanning the heap only when one is queued.
+
 Oldest first means lowest oldest-policy-version first: a slow group started under old weights
 is trained before it would go stale, instead of being overtaken by younger groups and dropped.
 """
@@ -18,22 +21,47 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
-from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.buffer.base import (
+    Admission,
+    BufferStats,
+    Refusals,
+    ReplayBuffer,
+    newer_than_learner,
+)
 from streamrl.types import Group
+
+log = logging.getLogger(__name__)
+
+
+class _Queued(NamedTuple):
+    """A heap entry: ordered by (key, arrival); arrival is unique, so groups are never compared."""
+
+    key: int
+    """The group's oldest policy version (the learner version at put when it has none)."""
+    arrival: int
+    group: Group
+    holder: str
+    newest: int
+    """``group.max_version`` (-1 when it has none), computed once at put."""
 
 
 class MemoryBuffer(ReplayBuffer):
     def __init__(self, groups_per_step: int, max_staleness: int) -> None:
         self.admission = Admission(groups_per_step, max_staleness)
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, Group]] = []
+        self._heap: list[_Queued] = []
         self._arrival = itertools.count()
         self._seen: set[str] = set()  # every group_id ever put: makes put idempotent
-        self._taken: dict[str, tuple[int, int, Group]] = {}  # taken, not acked: heap entries
+        self._taken: dict[str, _Queued] = {}  # taken, not acked
+        # Newest version among queued groups (-1: none): take scans the heap for groups newer
+        # than the learner only when this says one is there.
+        self._newest_queued = -1
         self._version = 0
         self._started = 0
         self._in_flight = 0
@@ -41,6 +69,7 @@ class MemoryBuffer(ReplayBuffer):
         self._produced = 0
         self._consumed = 0
         self._dropped = 0
+        self._refused = Refusals(log, "memory buffer")
         self._staleness_sum = 0  # over groups taken by this process (rebase keeps it)
         self._staleness_count = 0
         self._staleness_max = 0
@@ -101,9 +130,12 @@ class MemoryBuffer(ReplayBuffer):
                 # slot, so started == consumed + queued + in_flight keeps holding.
                 self._started += 1
             self._produced += 1
-            oldest = group.min_version
+            oldest, newest = group.min_version, group.max_version
             key = self._version if oldest is None else oldest
-            heapq.heappush(self._heap, (key, next(self._arrival), group))
+            entry = _Queued(key, next(self._arrival), group, holder,
+                            -1 if newest is None else newest)
+            heapq.heappush(self._heap, entry)
+            self._newest_queued = max(self._newest_queued, entry.newest)
             self._touch()
             self._cond.notify_all()
 
@@ -122,6 +154,7 @@ class MemoryBuffer(ReplayBuffer):
                 self._version = learner_version
             while True:
                 self._drop_stale(learner_version)
+                self._refuse_newer(learner_version)
                 if len(self._heap) >= n:
                     return self._pop(n, learner_version)
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -139,6 +172,22 @@ class MemoryBuffer(ReplayBuffer):
             self._dropped += 1
             self._started -= 1  # give the slot back: a replica may start a replacement
             self._touch()
+
+    def _refuse_newer(self, learner_version: int) -> None:
+        if self._newest_queued <= learner_version:  # nothing to refuse: no scan
+            return
+        kept = []
+        for entry in self._heap:
+            reason = newer_than_learner(entry.group, entry.newest, learner_version, entry.holder)
+            if reason is None:
+                kept.append(entry)
+                continue
+            self._refused.note(entry.holder, reason)
+            self._started -= 1  # give the slot back: a replica may start a replacement
+        heapq.heapify(kept)
+        self._heap = kept
+        self._newest_queued = max((e.newest for e in kept), default=-1)
+        self._touch()
 
     def _pop(self, n: int, learner_version: int) -> list[Group]:
         entries = [heapq.heappop(self._heap) for _ in range(n)]
@@ -192,6 +241,8 @@ class MemoryBuffer(ReplayBuffer):
             self._taken.clear()
             self._heap = [entry for entry in self._heap if entry[2].group_id not in skip]
             heapq.heapify(self._heap)  # entries keep their arrival order
+            # Groups taken at a version the learner no longer reached: take refuses them.
+            self._newest_queued = max((e.newest for e in self._heap), default=-1)
             self._seen |= skip
             self._version = learner_version
             self._consumed = consumed
@@ -212,6 +263,7 @@ class MemoryBuffer(ReplayBuffer):
                 started=self._started,
                 in_flight=self._in_flight,
                 dropped=self._dropped,
+                refused=self._refused.count,
                 malformed=0,
                 staleness_mean=self._staleness_sum / max(1, self._staleness_count),
                 staleness_max=self._staleness_max,

@@ -7,13 +7,15 @@ atomic with the data it describes live in ``redis_scripts`` (this module registe
 Keys of run ``<run>``::
 
     streamrl:<run>:groups  stream, one msgspec-msgpack ``Group`` per entry (fields group_id,
-                           min_version, data); consumer group ``learners``, created at init
+                           min_version, data, holder); consumer group ``learners``, created at
+                           init
     streamrl:<run>:stats   hash: learner_version produced consumed queued started in_flight
-                           dropped malformed staleness_mean staleness_max staleness_sum
+                           dropped refused malformed staleness_mean staleness_max staleness_sum
                            staleness_count groups_per_step max_staleness last_update_ts
                            bus_endpoint (the trainer's weight-bus endpoint, for streamrl serve)
     streamrl:<run>:holders hash: admissions in flight per holder (replica incarnation)
-    streamrl:<run>:dead    stream, malformed entries (source_id, reason, original fields)
+    streamrl:<run>:dead    stream, malformed and refused entries (source_id, reason, original
+                           fields)
     streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
     streamrl:<run>:queued  set, entry ids put and not yet taken (queued = SCARD)
     streamrl:<run>:taken   set, entry ids taken and not yet acked
@@ -31,7 +33,9 @@ are claimed with XAUTOCLAIM once idle longer than ``claim_idle_s`` (``rebase`` c
 at once). Group ids already trained are passed back as ``skip_ids``: they are acked, not
 delivered twice. Entries that do not decode as a ``Group`` (garbage bytes, wrong type, missing
 fields) are acked, copied to the dead-letter stream, counted as ``malformed`` and logged with
-their id; they never reach, nor crash, the learner. Decoding is msgspec, never pickle.
+their id; they never reach, nor crash, the learner. Decoding is msgspec, never pickle. Entries
+with a token newer than the learner version (``base.newer_than_learner``) are refused the same
+way, counted as ``refused``, the line naming the holder that put them.
 
 Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, which would make
 XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
@@ -75,7 +79,14 @@ from redis.commands.core import Script
 from redis.retry import Retry
 
 import streamrl.buffer.redis_scripts as lua
-from streamrl.buffer.base import Admission, BufferStats, PerLoop, ReplayBuffer
+from streamrl.buffer.base import (
+    Admission,
+    BufferStats,
+    PerLoop,
+    Refusals,
+    ReplayBuffer,
+    newer_than_learner,
+)
 from streamrl.errors import ConfigError, RunStopped
 from streamrl.types import DecodeError, Group, decode, encode
 
@@ -144,6 +155,10 @@ class _Entry(NamedTuple):
     oldest: int | None
     """``group.min_version``, read from the entry's field: PUT wrote it from the same group in
     the same XADD, and scanning every token's version again costs more than the decode."""
+    newest: int | None
+    """``group.max_version``."""
+    holder: str
+    """Who put it (the entry's field; "" for entries written before it existed)."""
     counted: bool
     """Counted as consumed when read (TAKE); else CONSUME counts it when it is returned."""
 
@@ -303,6 +318,7 @@ class RedisBuffer(ReplayBuffer):
         self._writers: PerLoop[_LoopWriter] = PerLoop(lambda loop: _LoopWriter(self, loop))
         self._closing: set[asyncio.Task[None]] = set()  # writers closing on their own loop
         self._lock = threading.Lock()  # learner-side state below
+        self._refusals = Refusals(log, f"buffer {run}")
         self._skip: set[str] = set(skip_ids)
         self._held: list[_Entry] = []  # read, fresh, not yet returned
         self._outstanding: dict[str, bytes] = {}  # group_id -> entry id: returned, not acked
@@ -582,9 +598,16 @@ class RedisBuffer(ReplayBuffer):
             oldest: int | None = int(fields[b"min_version"])
         except (KeyError, ValueError):  # an entry that bypassed PUT: read it from the tokens
             oldest = group.min_version
-        return _Entry(eid, group, None if oldest == -1 else oldest, counted)
+        holder = _s(fields.get(b"holder", b""))
+        return _Entry(eid, group, None if oldest == -1 else oldest, group.max_version, holder,
+                      counted)
 
     def _keep(self, entry: _Entry, learner_version: int) -> bool:
+        refused = newer_than_learner(entry.group, entry.newest, learner_version, entry.holder)
+        if refused is not None:
+            self._refusals.note(entry.holder, f"entry {_s(entry.eid)}: {refused}")
+            self._discard_entry(entry.eid, "refused", refused)
+            return False
         staleness = entry.staleness(learner_version)
         if staleness <= self.admission.max_staleness:  # Admission.is_fresh, on the stored field
             return True
@@ -593,7 +616,7 @@ class RedisBuffer(ReplayBuffer):
         return False
 
     def _discard_entry(self, eid: bytes, kind: str, reason: str) -> None:
-        if kind != "skipped":
+        if kind not in ("skipped", "refused"):  # refusals are logged by ``_refusals``
             log.warning("buffer %s: %s entry %s: %s", self.run, kind, _s(eid), reason)
         k = self.keys
         self._discard(
@@ -681,6 +704,7 @@ class RedisBuffer(ReplayBuffer):
             started=int(h.get("started", 0)),
             in_flight=int(h.get("in_flight", 0)),
             dropped=int(h.get("dropped", 0)),
+            refused=int(h.get("refused", 0)),
             malformed=int(h.get("malformed", 0)),
             staleness_mean=float(h.get("staleness_mean", 0.0)),
             staleness_max=int(h.get("staleness_max", 0)),
@@ -903,8 +927,8 @@ class _AsyncRetryFor(AsyncRetry):
 
 # --- `streamrl buffer stats` -------------------------------------------------------------------
 _STAT_ROWS = ("learner_version", "groups_per_step", "max_staleness", "started", "produced",
-              "consumed", "queued", "in_flight", "dropped", "malformed", "staleness_mean",
-              "staleness_max")
+              "consumed", "queued", "in_flight", "dropped", "refused", "malformed",
+              "staleness_mean", "staleness_max")
 
 
 def producer(holder: str) -> str:

@@ -85,7 +85,7 @@ end
 INIT = _HELPERS + """
 local h = KEYS[1]
 for _, f in ipairs({'learner_version', 'produced', 'consumed', 'queued', 'started', 'in_flight',
-                    'dropped', 'malformed', 'staleness_sum', 'staleness_count',
+                    'dropped', 'refused', 'malformed', 'staleness_sum', 'staleness_count',
                     'staleness_max', 'staleness_mean'}) do
   redis.call('HSETNX', h, f, 0)
 end
@@ -140,7 +140,8 @@ end
 return n
 """
 
-# Append groups to the stream, each at most once per group_id, and move each one's slot to
+# Append groups to the stream, each at most once per group_id and with the holder that put it
+# (the learner names it when it refuses the group), and move each one's slot to
 # queued (one of its holder's admissions is settled; a put without one takes a fresh slot, so
 # started = consumed + queued + in_flight); count each for its producer ('produced:<p>', and
 # 'version:<p>' its min_version: how far behind the learner that producer samples). A group may
@@ -179,7 +180,7 @@ for k, gid in ipairs(gids) do
   if seen[k] == 0 and not batch[gid] then  -- the same group twice in a batch: the first counts
     batch[gid] = true
     local id = redis.call('XADD', KEYS[3], '*', 'group_id', gid, 'min_version', mv,
-                          'data', ARGV[i + 2])
+                          'data', ARGV[i + 2], 'holder', holder)
     new_gids[#new_gids + 1] = gid
     new_ids[#new_ids + 1] = id
     versions[#versions + 1] = id
@@ -251,9 +252,11 @@ return v
 # Count the batch the learner's XREADGROUP '>' COUNT count just delivered (sent before this in
 # one pipeline: a take is one round trip), as CONSUME would, when it is complete: `count`
 # entries delivered to `consumer` after `after_id` (the last entry id it had seen), each put by
-# PUT (queued, its min_version in the minv hash) and no older than the bound. Otherwise nothing
-# is counted here: the learner decodes, drops and dead-letters what it must, and counts the rest
-# with CONSUME. Raises the learner version first (never lowers it): before the learner waits.
+# PUT (queued, its min_version in the minv hash), no older than the bound and not newer than
+# the learner (negative staleness: the learner refuses it, base.newer_than_learner). Otherwise
+# nothing is counted here: the learner decodes, drops and dead-letters what it must, and counts
+# the rest with CONSUME. Raises the learner version first (never lowers it): before the learner
+# waits.
 # KEYS: stats queued taken groups minv;
 # ARGV: consumer_group consumer after_id count learner_version max_staleness.
 # Returns the ids counted (the learner checks them against what it read: a retried pipeline
@@ -276,7 +279,7 @@ for i, id in ipairs(ids) do
   if mv == nil or queued[i] == 0 then return {} end
   local s = 0
   if mv ~= -1 then s = v - mv end
-  if s > eta then return {} end
+  if s > eta or s < 0 then return {} end
   stalenesses[i] = s
 end
 count_taken(h, KEYS[2], KEYS[3], ids, stalenesses)
@@ -311,24 +314,22 @@ return n
 
 # Ack an entry the learner will not train on and fix the counters its kind moves.
 # KEYS: stats queued taken groups dead minv;
-# ARGV: entry_id kind (dropped | malformed | skipped) reason consumer_group.
-# dropped frees its admission slot; malformed frees it too and is copied to the dead-letter
-# stream (a malformed entry TAKE counted as consumed is uncounted). Returns 1.
+# ARGV: entry_id kind (dropped | refused | malformed | skipped) reason consumer_group.
+# dropped frees its admission slot; refused and malformed free it too and are copied to the
+# dead-letter stream (an entry TAKE counted as consumed is uncounted). Returns 1.
 DISCARD = _HELPERS + """
 local h, id, kind = KEYS[1], ARGV[1], ARGV[2]
 redis.call('XACK', KEYS[4], ARGV[4], id)
 local was_queued = redis.call('SREM', KEYS[2], id)
 local was_taken = redis.call('SREM', KEYS[3], id)
 redis.call('HDEL', KEYS[6], id)
-if kind == 'dropped' then
-  redis.call('HINCRBY', h, 'dropped', 1)
+if kind == 'dropped' or kind == 'refused' or kind == 'malformed' then
+  redis.call('HINCRBY', h, kind, 1)
   -- give the admission slot back, so a replica can start a replacement (no deadlock)
   if was_queued == 1 or was_taken == 1 then redis.call('HINCRBY', h, 'started', -1) end
   if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
-elseif kind == 'malformed' then
-  redis.call('HINCRBY', h, 'malformed', 1)
-  if was_queued == 1 or was_taken == 1 then redis.call('HINCRBY', h, 'started', -1) end
-  if was_taken == 1 then redis.call('HINCRBY', h, 'consumed', -1) end
+end
+if kind == 'refused' or kind == 'malformed' then
   local fields = {'source_id', id, 'reason', ARGV[3]}
   local entry = redis.call('XRANGE', KEYS[4], id, id)[1]
   if entry then

@@ -38,8 +38,11 @@ environment raises fails its group like a failed request does.
 A group task retries a failed request up to ``rollout.max_retries`` times; a group that still
 fails, or whose building fails, is counted and its admission given back
 (``buffer.cancel_admission``): nothing a request, a reward function or a bad prompt does stops
-the replica. Reward functions that raise or return a non-finite value score 0 and are counted
-(the pool in ``rewards/`` already does this; the replica guards any scorer).
+the replica. A reward function that raises scores 0 and is counted (the pool in ``rewards/``
+already does this; the replica guards any scorer). A reward that is not finite in float32 (NaN,
++-inf, or 1e39, which the learner's float32 tensors would hold as inf) is no reward at all: its
+group is dropped, counted (``groups_bad_reward``) and logged in one line naming the group, the
+prompt, its data source and the value, and its admission given back, as a failed group's is.
 
 Weight updates (``update_weights(weights, version, policy)``), atomic in every case because
 ``engine.load_weights`` swaps between two engine steps:
@@ -73,7 +76,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -86,7 +88,7 @@ from streamrl.config import UPDATE_POLICIES, RolloutConfig
 from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
 from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
-from streamrl.types import Group, Trajectory, new_uid
+from streamrl.types import Group, Trajectory, fits_float32, new_uid
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +151,10 @@ class _Cancelled(Exception):
     """The group was aborted because the replica is stopping with cancel=True."""
 
 
+class _BadReward(Exception):
+    """A reward the learner cannot hold in float32: the group is dropped."""
+
+
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
     """The group sampling parameters a replica uses (n samples of one prompt)."""
     return SamplingParams(
@@ -177,6 +183,9 @@ class ReplicaCounters:
     groups_filtered: int = 0
     """Groups dropped by dynamic sampling (equal rewards); admission given back."""
     reward_failures: int = 0
+    """Reward calls that raised (scored 0)."""
+    groups_bad_reward: int = 0
+    """Groups dropped for a reward not finite in float32; admission given back."""
     reward_sum: float = 0.0
     overlong_filtered: int = 0
     """Responses cut at the token budget and masked out (rollout.overlong_filter)."""
@@ -434,6 +443,13 @@ class Replica:
             if not settled:
                 await self._give_back()
             raise
+        except _BadReward as exc:  # raised while scoring: before the group was built
+            self.counters.groups_bad_reward += 1
+            logger.warning("%s: group %s of prompt %s dropped, admission given back: %s",
+                           self.name, group_id, prompt.index, exc)
+            if not settled:
+                await self._give_back()
+            return
         except Exception:
             self.counters.groups_failed += 1
             logger.exception("%s: group for prompt %s failed; admission given back",
@@ -618,19 +634,20 @@ class Replica:
     async def _score(self, prompt: PromptLike, c: Completion, extra_info: dict[str, Any]
                      ) -> tuple[float, dict[str, float]]:
         """The shaped reward of one completion and its timing metrics; a scorer that raises
-        or returns a non-finite value scores 0 (counted)."""
+        scores 0 (counted), one whose value is not finite in float32 drops the group."""
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         start = time.perf_counter()
         try:
             reward = float(await self.scorer.score(prompt.data_source, text, prompt.ground_truth,
                                                    extra_info))
         except Exception as exc:
-            reward = math.nan
+            self.counters.reward_failures += 1
             logger.warning("%s: reward for %s raised %s: %s; scored 0", self.name,
                            prompt.data_source, type(exc).__name__, exc)
-        if not math.isfinite(reward):
-            self.counters.reward_failures += 1
             reward = 0.0
+        if not fits_float32(reward):
+            raise _BadReward(f"the reward function for data_source {prompt.data_source!r} "
+                             f"returned {reward!r}, not finite in float32")
         metrics = {"score_s": time.perf_counter() - start}
         reward += self._overlong(len(c.token_ids), self._params_for(prompt).max_tokens, metrics)
         return reward, metrics
@@ -659,11 +676,9 @@ class Replica:
         c.tool_errors += e.tool_errors
         c.episodes_truncated += e.truncated
         reward = e.reward
-        if not math.isfinite(reward):
-            c.reward_failures += 1
-            logger.warning("%s: environment reward %s for %s is not finite; scored 0",
-                           self.name, reward, prompt.data_source)
-            reward = 0.0
+        if not fits_float32(reward):
+            raise _BadReward(f"the environment's reward for data_source {prompt.data_source!r} "
+                             f"is {reward!r}, not finite in float32")
         metrics = dict(e.seconds)
         reward += self._overlong(len(e.response_ids), self.rollout.max_episode_tokens, metrics)
         return Trajectory(
@@ -764,6 +779,7 @@ class Replica:
             "groups_cancelled": float(c.groups_cancelled),
             "groups_filtered": float(c.groups_filtered),
             "reward_failures": float(c.reward_failures),
+            "groups_bad_reward": float(c.groups_bad_reward),
             "reward_mean": c.reward_sum / c.trajectories if c.trajectories else 0.0,
             "overlong_filtered": float(c.overlong_filtered),
             "resumed_requests": float(c.resumed_requests),

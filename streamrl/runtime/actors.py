@@ -32,6 +32,7 @@ from streamrl.runtime.placement import (
     threads_per,
 )
 from streamrl.runtime.supervisor import holder_name
+from streamrl.types import fits_float32
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +210,12 @@ class ReplicaActor:
         freeze_startup_heap()
 
     def _weights_pending(self) -> bool:
-        """A version received (the learner may already admit groups for it) but not loaded."""
-        return self.receiver is not None and self.receiver.pending_version > self.engine.version
+        """A version received (the learner may already admit groups for it) but not loaded.
+        Not ``pending > engine.version``: after a resume the version may go back (12 -> 10)."""
+        if self.receiver is None:
+            return False
+        pending = self.receiver.pending_version
+        return pending >= 0 and pending != self.engine.version
 
     def _make_engine(self) -> Any:
         from streamrl.rollout_fleet import make_engine
@@ -279,7 +284,7 @@ class ReplicaActor:
         out = self.replica.metrics()
         # The reward pool scores its failures 0 itself; its counts complete the replica's.
         pool = getattr(self.scorer, "metrics", dict)()
-        out["reward_failures"] += pool.get("failures", 0.0) + pool.get("non_finite", 0.0)
+        out["reward_failures"] += pool.get("failures", 0.0)
         out["reward_timeouts"] = pool.get("timeouts", 0.0)
         return out
 
@@ -308,6 +313,11 @@ class ReplicaActor:
             extra = {"max_new_tokens": params.max_tokens, **prompt.extra,
                      PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
             reward = await self.scorer.score(prompt.data_source, text, prompt.ground_truth, extra)
+            if not fits_float32(reward):  # the scorers pass it on; training drops such a group
+                log.warning("validation prompt %d: the reward function for data_source %r "
+                            "returned %r, not finite in float32; scored 0", prompt.index,
+                            prompt.data_source, reward)
+                reward = 0.0
             return reward, len(completion.token_ids)
 
         results = await asyncio.gather(*(one(i) for i in range(len(self.val_source))))

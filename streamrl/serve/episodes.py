@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,7 +43,7 @@ from typing import Any
 from streamrl.buffer.base import ReplayBuffer
 from streamrl.rollout_fleet.agent.render import ChatRenderer
 from streamrl.rollout_fleet.engine import Completion
-from streamrl.types import OBSERVATION_VERSION, Group, Trajectory, new_uid
+from streamrl.types import OBSERVATION_VERSION, Group, Trajectory, fits_float32, new_uid
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +238,9 @@ class EpisodeStore:
               group_size: int | None = None, turn_rewards: Sequence[float] | None = None
               ) -> dict[str, Any]:
         """Close an episode into the buffer (possibly waiting for its group); returns a summary."""
-        if not math.isfinite(reward):
-            raise EpisodeError(f"reward: {reward} is not finite")
+        if not fits_float32(reward):
+            raise EpisodeError(f"reward: {reward} is not finite in float32 (the learner's "
+                               "reward tensors)")
         if group_size is not None and group_size < 1:
             raise EpisodeError(f"group_size: {group_size} must be >= 1")
         episode = self.episodes.get(episode_id)
@@ -260,8 +260,8 @@ class EpisodeStore:
             if len(turn_rewards) != turns:
                 raise EpisodeError(f"turn_rewards: has {len(turn_rewards)} values, episode "
                                    f"{episode_id!r} has {turns} calls")
-            if not all(math.isfinite(r) for r in turn_rewards):
-                raise EpisodeError("turn_rewards: holds a non-finite value")
+            if not all(map(fits_float32, turn_rewards)):
+                raise EpisodeError("turn_rewards: holds a value not finite in float32")
         self._remove(episode)
         self.counters.episodes_closed += 1
         gid = group_id if group_id is not None else new_uid()

@@ -122,7 +122,8 @@ class WeightReceiver(abc.ABC):
     @property
     @abc.abstractmethod
     def version(self) -> int:
-        """Latest version the sink loaded (-1 before the first)."""
+        """Latest version the sink loaded from this receiver's publisher (-1 before the first;
+        what the engine held before, from an earlier publisher, does not count)."""
 
     @property
     @abc.abstractmethod

@@ -374,10 +374,9 @@ class ControlServer:
 class ControlClient:
     """Receiver side: a DEALER whose routing id is the receiver id."""
 
-    def __init__(self, endpoint: str, receiver_id: str, *, timeout_s: float = 60.0,
-                 loaded_version: int = -1) -> None:
+    def __init__(self, endpoint: str, receiver_id: str, *, timeout_s: float = 60.0) -> None:
         self.receiver_id = receiver_id
-        self.loaded_version = loaded_version
+        self.loaded_version = -1  # of this server's versions: the receiver sets it as it loads
         address, token = split_endpoint(endpoint)
         self._token = token.encode()
         self.announcements: queue.Queue[Announce] = queue.Queue()
@@ -391,7 +390,7 @@ class ControlClient:
         self._io = _IOThread(self._ctx, sock, self._handle, self._tick,
                              heartbeat_interval(timeout_s),
                              f"weight-bus-control-{receiver_id}")
-        self._send(Hello(receiver_id=receiver_id, loaded_version=loaded_version))  # goes first
+        self._send(Hello(receiver_id=receiver_id, loaded_version=-1))  # goes first
         self._io.start()
 
     def _handle(self, frames: list[bytes]) -> None:

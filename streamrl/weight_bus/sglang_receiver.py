@@ -114,4 +114,4 @@ class SGLangReceiver(CollectiveReceiver):  # pragma: no cover - needs CUDA and s
             return (sink or load)(RelayedWeights(list(weights), relay), version)
 
         super().__init__(endpoint, wrap, receiver_id=receiver_id, timeout_s=timeout_s,
-                         loop=loop, initial_version=engine.version)
+                         loop=loop)

@@ -260,7 +260,6 @@ class VLLMReceiver(CollectiveReceiver):
         receiver_id: str | None = None,
         timeout_s: float = 60.0,
         loop: asyncio.AbstractEventLoop | None = None,
-        initial_version: int | None = None,
     ) -> None:
         if loop is None:
             try:
@@ -276,5 +275,4 @@ class VLLMReceiver(CollectiveReceiver):
         super().__init__(
             endpoint, sink or load, receiver_id=receiver_id, timeout_s=timeout_s, loop=loop,
             landing=VLLMWorkerLanding(engine, loop, timeout_s),
-            initial_version=engine.version if initial_version is None else initial_version,
         )

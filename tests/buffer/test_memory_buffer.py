@@ -63,6 +63,36 @@ def test_oldest_version_first_and_stale_dropped_with_slot_returned() -> None:
     assert (s.staleness_max, s.staleness_mean) == (1, 0.5)
 
 
+RESUMED_PUTS = [  # (group id, versions, holder): replicas 1 and 2 kept newer weights
+    ("future", [12], "replica-1.0"), ("mixed", [10, 12], "replica-2.0"),
+    ("again", [11], "replica-1.0"), ("ok", [10], "replica-0.0"), ("ok2", [9, 10], "replica-0.0"),
+]
+
+
+def test_a_group_newer_than_the_learner_is_refused_naming_it(caplog) -> None:
+    """After a resume from step 10's checkpoint, a group carrying any token newer than 10
+    (negative staleness) is never trained: refused and counted, one line naming it, its holder
+    and the versions for each holder's first; its slot comes back and the others are
+    delivered."""
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=2)
+    buf.rebase(learner_version=10, consumed=20)
+    for gid, versions, holder in RESUMED_PUTS:
+        assert buf.try_admit(holder)
+        buf.put(make_group(versions, gid), holder)
+    with caplog.at_level("WARNING", logger="streamrl.buffer.memory"):
+        assert sorted(g.group_id for g in buf.take(2, 10)) == ["ok", "ok2"]
+    s = buf.stats()
+    assert (s.refused, s.consumed, s.queued, s.in_flight, s.dropped) == (3, 22, 0, 0, 0)
+    assert s.started == s.consumed + s.queued + s.in_flight
+    assert s.staleness_max == 1  # only the delivered groups are counted
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert len(caplog.records) == 2  # replica-1's second refusal is counted, not logged
+    assert text.count("put by replica-1.0") == 1
+    assert "group mixed (prompt -1, put by replica-2.0) has policy versions 10..12, newer " \
+           "than learner version 10 (negative staleness): refused" in text
+    assert all(buf.try_admit() for _ in range(4))  # the refused groups' slots are free again
+
+
 def test_put_is_idempotent_and_accounts_unadmitted_puts() -> None:
     buf = MemoryBuffer(groups_per_step=1, max_staleness=0)
     group = make_group(0, "x")

@@ -261,6 +261,38 @@ def test_malformed_entries_are_skipped_counted_and_dead_lettered(
     buf.purge()
 
 
+def test_a_group_newer_than_the_learner_is_refused_naming_it(
+    redis_url: str, run: str, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a resume from step 10's checkpoint, a group carrying any token of version 12
+    (negative staleness) is never trained: refused with one line naming it, its holder and the
+    versions, dead-lettered, its slot given back; the others are delivered and counted once.
+    The first read (mixed, ok) is counted by TAKE and then uncounted; the second (future) is
+    not counted at all."""
+    buf = new_buffer(redis_url, run, groups_per_step=2, max_staleness=1)
+    buf.rebase(learner_version=10, consumed=20)
+    puts = [("mixed", [10, 12], "replica-1.0"), ("ok", [10], "replica-0.0"),
+            ("future", [12], "replica-2.0"), ("ok2", [9, 10], "replica-0.0")]
+    for gid, versions, holder in puts:
+        assert buf.try_admit(holder)
+        buf.put(make_group(versions, gid), holder)
+    with caplog.at_level(logging.WARNING, logger="streamrl.buffer.redis"):
+        assert [g.group_id for g in buf.take(2, 10, timeout=5)] == ["ok2", "ok"]
+    s = buf.stats()
+    assert (s.refused, s.consumed, s.queued, s.in_flight, s.dropped) == (2, 22, 0, 0, 0)
+    assert s.started == s.consumed + s.queued + s.in_flight
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "group mixed (prompt -1, put by replica-1.0) has policy versions 10..12, newer " \
+           "than learner version 10" in lines[0]
+    assert "group future (prompt -1, put by replica-2.0)" in lines[1] and "12..12" in lines[1]
+    dead = client.xrange(f"streamrl:{run}:dead")
+    assert [e[1][b"field:group_id"] for e in dead] == [b"mixed", b"future"]
+    assert dead[0][1][b"field:holder"] == b"replica-1.0"
+    assert buf.try_admit() and buf.try_admit()  # the refused groups' slots are free again
+    buf.purge()
+
+
 def test_config_mismatch_and_version_regress_are_refused(redis_url: str, run: str) -> None:
     buf = new_buffer(redis_url, run, groups_per_step=2, max_staleness=1)
     with pytest.raises(ValueError, match=r"groups_per_step=2, max_staleness=1.*another buffer"):

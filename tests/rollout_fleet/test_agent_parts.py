@@ -284,6 +284,22 @@ def test_calculator_env_rewards_answers_that_use_the_tool_result(executor):
     assert asyncio.run(play([call, "#### 41"]))[0] == 0.0
 
 
+@pytest.mark.parametrize("hostile", [
+    "9**9**9**9", "(10**100000)**100000",
+    "(((9**64)**64)**64)**64",  # each power allowed alone: 13 s of GIL before the bound
+    "(9**60)**60", "9**64*9**64*9**64*9**64*9**64*9**64", "1e300*1e300",
+])
+def test_calculator_refuses_huge_values_within_milliseconds(executor, hostile):
+    """A tool runs on a thread of the replica's process: a result too large to print would
+    hold the GIL (and the replica) while Python builds it, so its size is checked first."""
+    box = ToolBox([calculator], executor)
+    start = time.perf_counter()
+    result = asyncio.run(box.run(ToolCall("calculator", {"expression": hostile}), 30.0))
+    assert time.perf_counter() - start < 0.25
+    assert result.error is not None and "is too large (limit" in result.error
+    assert calculator("2**64 * 3 - 1") == str(3 * 2**64 - 1)  # the bound leaves room
+
+
 def test_reasoning_gym_env_is_a_one_tool_environment(executor):
     import reasoning_gym
 

@@ -1,11 +1,14 @@
 """Reward scorers on hand-written examples, and the process pool's failure handling (real
 worker processes: raising, hanging, NaN-returning and dict-returning custom functions, alone
-and inside a burst of calls that one worker call scores)."""
+and inside a burst of calls that one worker call scores); a replica dropping the groups of a
+custom function's non-finite rewards."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -13,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.config import RewardConfig
+from streamrl.buffer.memory import MemoryBuffer
+from streamrl.config import RewardConfig, RolloutConfig
+from streamrl.data import ListPromptSource, Prompt, PromptStream
+from streamrl.rollout_fleet.replica import Replica
 from streamrl.rollout_fleet.rewards import (
     RewardConfigError,
     ScorerSpec,
@@ -24,6 +30,7 @@ from streamrl.rollout_fleet.rewards import (
     rgym,
     scorer_for,
 )
+from tests.support.rollout import IdTokenizer, ScriptedEngine, train_steps
 
 # -- scorers, called directly ---------------------------------------------------------------
 
@@ -305,10 +312,51 @@ def test_a_hang_or_a_raise_in_a_burst_scores_only_that_response_zero(scorer):
     assert _burst(scorer, ["x"] * 3) == [1.0] * 3  # the hung worker was replaced
 
 
-def test_non_finite_scores_zero_and_is_counted(scorer):
-    before = scorer.metrics()["non_finite"]
-    assert _score(scorer, "nan") == 0.0
-    assert scorer.metrics()["non_finite"] == before + 1
+def test_a_non_finite_score_is_passed_on_for_the_replica_to_drop(scorer):
+    before = scorer.metrics()
+    assert math.isnan(_score(scorer, "nan"))  # not 0.0: a made-up reward would be trained on
+    assert scorer.metrics() == {**before, "calls": before["calls"] + 1}
+
+
+BAD_REWARDS = textwrap.dedent("""
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        if ground_truth == "huge":
+            return 1e39  # finite in Python, inf in the learner's float32 tensors
+        if ground_truth == "nan":
+            return float("nan")
+        return float(solution_str.split()[0])  # sample j answers token j: rewards 0.0, 1.0
+""")
+
+
+def test_a_replica_drops_a_group_whose_custom_reward_is_not_finite_in_float32(tmp_path, caplog):
+    """A real custom reward function returns 1e39 for one prompt and NaN for another: those
+    groups never reach the buffer (nothing made up is trained on), each drop is one line naming
+    the group, the prompt, the data source and the value, counted, and the run goes on."""
+    path = tmp_path / "bad_reward.py"
+    path.write_text(BAD_REWARDS)
+    prompts = [Prompt(index=i, prompt_ids=[i], data_source="my/ds", ground_truth=truth,
+                      extra={}) for i, truth in enumerate(["ok", "huge", "ok", "nan"])]
+    stream = PromptStream(ListPromptSource(prompts, name="bad"), shuffle=False, seed=0)
+    buffer = MemoryBuffer(groups_per_step=2, max_staleness=0)
+    cfg = RewardConfig(name="custom", custom_path=str(path), num_workers=1)
+    with make_reward_scorer(cfg) as scorer, caplog.at_level(logging.WARNING):
+        replica = Replica(ScriptedEngine(), buffer, stream, scorer, IdTokenizer(),
+                          RolloutConfig(n=2, max_new_tokens=8, max_inflight_groups=2),
+                          admit_backoff_s=0.001)
+        taken = [g for batch in train_steps(buffer, replica, steps=2) for g in batch]
+    assert sorted(g.prompt_index for g in taken) == [0, 0, 2, 2]
+    assert all(g.rewards == [0.0, 1.0] for g in taken)
+    m = replica.metrics()
+    assert m["groups_bad_reward"] >= 2 and m["groups_failed"] == m["reward_failures"] == 0
+    lines = [r.getMessage() for r in caplog.records if "not finite in float32" in r.getMessage()]
+    assert len(lines) == m["groups_bad_reward"]
+    for prompt, value in [(1, "1e+39"), (3, "nan")]:
+        assert any(re.fullmatch(
+            rf"replica: group [0-9a-f]{{32}} of prompt {prompt} dropped, admission given back: "
+            rf"the reward function for data_source 'my/ds' returned {re.escape(value)}, not "
+            r"finite in float32", line) for line in lines), lines
+    s = buffer.stats()
+    assert s.in_flight == 0 and s.started == s.consumed + s.queued
 
 
 def test_dict_return_takes_score_and_reports_other_keys(scorer):

@@ -150,6 +150,12 @@ def test_close_checks_its_input(tokenizer):
         store.close("e", 1.0, turn_rewards=[0.1, 0.2])
     with pytest.raises(EpisodeError, match="group_size"):
         store.close("e", 1.0, group_id="g", group_size=0)
+    # 1e39 is a finite Python float, but inf in the learner's float32 tensors
+    for bad in (float("nan"), 1e39):
+        with pytest.raises(EpisodeError, match=r"reward: .* is not finite in float32"):
+            store.close("e", bad)
+        with pytest.raises(EpisodeError, match="turn_rewards: holds a value not finite in"):
+            store.close("e", 1.0, turn_rewards=[bad])
     assert store.open_episodes == 1  # nothing lost by a refused close
     store.close("e", 1.0, turn_rewards=[0.25])
     (group,) = store.buffer.take(1, learner_version=0)

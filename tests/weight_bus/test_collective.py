@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from streamrl.config import WeightBusConfig
+from streamrl.buffer.memory import MemoryBuffer
+from streamrl.config import Config, WeightBusConfig, replace
+from streamrl.rollout_fleet.replica import Replica
+from streamrl.runtime.actors import ReplicaActor
 from streamrl.weight_bus import (
     HandedOver,
     ReceiverDied,
@@ -21,6 +24,7 @@ from streamrl.weight_bus import (
     make_receiver,
 )
 from streamrl.weight_bus.collective import CollectivePublisher, CollectiveReceiver
+from tests.support.rollout import IdTokenizer, ListedRewards, ScriptedEngine, scripted_prompts
 from tests.support.weights import digest, killing, make_state, receiver_main
 
 TIMEOUT_S = 10.0
@@ -141,29 +145,83 @@ def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fl
     assert fleet.wait_loaded("alive", 3) == digest(v3.items())
 
 
-def test_in_process_receiver_ignores_older_versions_and_hands_over_views() -> None:
+def test_a_resumed_publishers_lower_version_is_loaded_and_views_are_handed_over() -> None:
+    """Versions are compared within one publisher: an engine that loaded 12 from a trainer
+    joins the restarted trainer's bus (resumed from step 10, version 10 published before the
+    replica reconnected) and gets 10 by catch-up, then 11."""
     cfg = WeightBusConfig(bucket_mb=1, timeout_s=TIMEOUT_S)
     got: list[tuple[int, dict[str, torch.Tensor]]] = []
-    done = threading.Event()
 
     def sink(weights, version: int) -> None:
         got.append((version, dict(weights)))
-        done.set()
 
-    with make_publisher(cfg) as pub, make_receiver(cfg, endpoint=pub.endpoint, sink=sink,
-                                                   receiver_id="solo", initial_version=5) as rx:
-        assert isinstance(pub, CollectivePublisher) and isinstance(rx, CollectiveReceiver)
-        pub.wait_for_receivers(1)
-        state = make_state(4)
-        pub.publish(3, state.items())  # older than what the receiver has: received, not loaded
-        assert not done.wait(1.0) and rx.version == 5
-        pub.publish(6, state.items())
-        assert rx.wait_version(6, 10) and done.is_set()
-    version, loaded = got[0]
-    assert version == 6 and digest(loaded.items()) == digest(state.items())
+    state = make_state(4)
+    with make_publisher(cfg) as old, make_receiver(cfg, endpoint=old.endpoint, sink=sink,
+                                                   receiver_id="kept") as rx:
+        old.wait_for_receivers(1)
+        old.publish(12, state.items())
+        assert rx.wait_version(12, 10)
+    with make_publisher(cfg) as pub:
+        assert isinstance(pub, CollectivePublisher)
+        pub.publish(10, state.items())  # the resume's publish, before the replica is back
+        with make_receiver(cfg, endpoint=pub.endpoint, sink=sink, receiver_id="kept") as rx:
+            assert isinstance(rx, CollectiveReceiver)
+            assert rx.wait_version(10, 10)
+            pub.publish(11, state.items())
+            assert rx.wait_version(11, 10)
+    assert [version for version, _ in got] == [12, 10, 11]
+    assert digest(got[1][1].items()) == digest(state.items())
     # Same-dtype tensors are views into one received bucket, not copies.
-    a, b = loaded["layers.0.weight"], loaded["layers.1.weight"]
+    a, b = got[2][1]["layers.0.weight"], got[2][1]["layers.1.weight"]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class SlowLoads(ScriptedEngine):
+    """The scripted engine, at ``version``, whose weight swaps take ``load_s`` as a real
+    engine's do."""
+
+    def __init__(self, version: int, load_s: float) -> None:
+        super().__init__()
+        self._version = version
+        self.load_s = load_s
+
+    async def load_weights(self, weights, version: int) -> None:
+        await asyncio.sleep(self.load_s)
+        await super().load_weights(weights, version)
+
+
+def test_a_kept_replica_adopts_the_resumed_learners_lower_version() -> None:
+    """The learner resumed from step 10's checkpoint while this replica kept version 12 (a
+    ``streamrl serve`` replica joining the restarted trainer's bus, ``connect_bus``): it loads
+    10 and starts no group until it has, so the versions it stamps stay exact and the buffer
+    has nothing to refuse."""
+    cfg = replace(Config(), **{"weight_bus.bucket_mb": 1, "weight_bus.timeout_s": TIMEOUT_S,
+                               "weight_bus.update_policy": "pause", "rollout.n": 2})
+    buffer = MemoryBuffer(groups_per_step=2, max_staleness=0)
+    buffer.rebase(learner_version=10, consumed=20)  # admission open for 2 groups at version 10
+    actor = ReplicaActor(cfg, 0, buffer, None)
+    actor.engine = engine = SlowLoads(version=12, load_s=0.5)
+    actor.replica = Replica(engine, actor.buffer, scripted_prompts([[0.0, 1.0]] * 4),
+                            ListedRewards(), IdTokenizer(), cfg.rollout, admit_backoff_s=0.001,
+                            weights_pending=actor._weights_pending)
+
+    async def resume() -> list:
+        with make_publisher(cfg.weight_bus) as pub:
+            await actor.connect_bus(pub.endpoint)
+            await asyncio.to_thread(pub.wait_for_receivers, 1)
+            await asyncio.to_thread(pub.publish, 10, make_state(2).items())
+            actor.replica.start()  # version 10 is received and loading
+            try:
+                return await asyncio.to_thread(buffer.take, 2, 10, 30)
+            finally:
+                await actor.replica.stop()
+                await actor.receiver.aclose()
+
+    batch = asyncio.run(resume())
+    assert engine.version == 10 and actor.receiver.version == 10
+    assert [t.versions for g in batch for t in g.trajectories] == [[10] * 4] * 4
+    assert buffer.stats().refused == 0  # no group was sampled with the kept version 12
+    assert actor.replica.metrics()["held_for_weights"] >= 1
 
 
 def test_publish_returns_with_the_version_pending_until_the_sink_loads_it() -> None:

@@ -2,7 +2,8 @@
 
 Each part scores the response concurrently; the reward is ``sum(weight * part score)``. A
 part's failure already scores that part 0 (and is counted by the part), so the others still
-count. ``metrics()`` has each part's counts under ``<kind>/``, and ``calls`` plus the failure
+count; a part's non-finite score (or a sum past float32) is passed on, and the replica drops
+the group. ``metrics()`` has each part's counts under ``<kind>/``, and ``calls`` plus the failure
 kinds summed over parts under their plain names, as the replica reads them from one scorer.
 """
 

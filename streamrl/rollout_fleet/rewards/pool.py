@@ -6,7 +6,8 @@ crash a replica, so every call runs in a worker process and
 - an exception scores 0.0 (counted as ``failures``),
 - a call running past ``reward.timeout_s`` scores 0.0 (``timeouts``); its worker is killed and
   replaced, so a hang never blocks later calls,
-- a non-finite score becomes 0.0 (``non_finite``).
+- a score is passed on as returned, finite or not: the replica drops a group whose reward is not
+  finite in float32 (NaN, +-inf, 1e39), counting and logging it with the group's id.
 
 Each kind logs one warning line with the cause the first time, then every
 ``LOG_EVERY``-th occurrence with the running count; ``metrics()`` has the exact counts.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import multiprocessing
 import threading
 from collections import Counter, deque
@@ -46,7 +46,7 @@ from streamrl.rollout_fleet.rewards.dispatch import Item, ScorerSpec, die_with_p
 
 logger = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("failures", "timeouts", "non_finite")
+FAILURE_KINDS = ("failures", "timeouts")
 LOG_EVERY = 100
 MAX_BATCH = 64  # most responses one worker call scores
 
@@ -130,7 +130,7 @@ class RewardScorer:
         self, data_source: str, solution_str: str, ground_truth: str | None,
         extra_info: dict[str, Any],
     ) -> float:
-        """The reward of one response; 0.0 (and counted) on failure, timeout or non-finite."""
+        """The reward of one response; 0.0 (and counted) on failure or timeout."""
         score, _ = await self.score_with_info(data_source, solution_str, ground_truth, extra_info)
         return score
 
@@ -157,9 +157,6 @@ class RewardScorer:
         if isinstance(result, str):  # a failure kind
             return 0.0, {}
         score, extras = result
-        if not math.isfinite(score):
-            self._record("non_finite", f"{data_source}: score {score}")
-            return 0.0, {}
         with self._lock:
             for key, value in extras.items():
                 self._extra_sum[key] += value
@@ -264,7 +261,7 @@ class RewardScorer:
     # -- reporting and lifetime --------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
-        """Counts since start (calls, failures, timeouts, non_finite) and extra-key means."""
+        """Counts since start (calls, failures, timeouts) and extra-key means."""
         with self._lock:
             out = {k: float(self._counts[k]) for k in ("calls", *FAILURE_KINDS)}
             for key, total in self._extra_sum.items():

@@ -8,9 +8,10 @@
   pool's interface (``async score``, ``metrics``, ``close``). Calls are awaited on the
   replica's event loop (never a blocking ``ray.get``) and, like the pool's, never raise: a
   failed call (the actor died, the prompt is missing, the judge prompt is too long) scores 0
-  and counts as ``failures``, one past ``timeout_s`` as ``timeouts`` (and is cancelled), a
-  non-finite score as ``non_finite``, an answer the judge gave no score in as ``unparseable``
-  (counted in ``failures`` too, so the replica's reward failures include it).
+  and counts as ``failures``, one past ``timeout_s`` as ``timeouts`` (and is cancelled), an
+  answer the judge gave no score in as ``unparseable`` (counted in ``failures`` too, so the
+  replica's reward failures include it). A non-finite score is passed on: the replica drops
+  its group (as it does for the pool's).
 
 Depends on config, the two servers and ``prompt``; the runtime depends on this module.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections import Counter
 from pathlib import Path
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 """Loading a model (or starting a vLLM judge on CPU) takes minutes at most; longer, the actor is
 most likely waiting for CPUs or GPUs the run's pools already hold."""
-FAILURE_KINDS = ("failures", "timeouts", "non_finite", "unparseable")
+FAILURE_KINDS = ("failures", "timeouts", "unparseable")
 LOG_EVERY = 100
 
 
@@ -122,9 +122,7 @@ class RemoteScorer:
             self._count("failures")
             return self._fail("unparseable", f"{data_source}: the judge's answer has no score "
                                              "(the judge actor logs it)")
-        if not math.isfinite(value):
-            return self._fail("non_finite", f"{data_source}: score {value}")
-        return float(value)
+        return float(value)  # a non-finite one included: the replica drops its group
 
     @staticmethod
     def _cancel(ref: Any) -> None:

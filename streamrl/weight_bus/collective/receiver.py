@@ -120,9 +120,18 @@ def default_receiver_id() -> str:
 class CollectiveReceiver(WeightReceiver):
     """Receives every announced version in a background thread and feeds it to ``sink``.
 
-    Versions are monotonic: a version not newer than the loaded one is received (the broadcast is
-    collective) but not loaded, with a log line. ``sink`` may be sync or async; an async sink runs
-    on ``loop`` (the replica's event loop; default: the loop running at construction, if any).
+    Versions are compared within this receiver's publisher only (one endpoint, one run token),
+    whose versions strictly increase: one not newer than the last loaded from it is a re-send
+    (a catch-up or a recovery) and is received (the broadcast is collective) but not loaded,
+    with a log line. The first version from the publisher is loaded whatever the engine held:
+    a trainer resumed from step 10's checkpoint is a new publisher, and replicas that kept
+    version 12 (``streamrl serve`` reconnects them, ``ReplicaActor.connect_bus``) must go back
+    to 10 so that the versions they stamp stay exact. For the same reason the receiver says
+    hello with version -1: the publisher then serves it the current version even when its
+    engine holds a higher number from the earlier run.
+
+    ``sink`` may be sync or async; an async sink runs on ``loop`` (the replica's event loop;
+    default: the loop running at construction, if any).
     """
 
     def __init__(
@@ -134,7 +143,6 @@ class CollectiveReceiver(WeightReceiver):
         timeout_s: float = 60.0,
         loop: asyncio.AbstractEventLoop | None = None,
         landing: Landing | None = None,
-        initial_version: int = -1,
     ) -> None:
         self.receiver_id = receiver_id or default_receiver_id()
         self.sink = sink
@@ -146,12 +154,11 @@ class CollectiveReceiver(WeightReceiver):
                 loop = None
         self.loop = loop
         self.landing: Landing = landing or LocalLanding()
-        self._version = initial_version
+        self._version = -1  # the latest version loaded from this publisher
         self._pending = -1  # the version being received or loaded, -1 between versions
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self.control = ControlClient(endpoint, self.receiver_id, timeout_s=timeout_s,
-                                     loaded_version=initial_version)
+        self.control = ControlClient(endpoint, self.receiver_id, timeout_s=timeout_s)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"weight-bus-receiver-{self.receiver_id}")
         self._thread.start()

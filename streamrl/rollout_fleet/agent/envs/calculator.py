@@ -9,6 +9,9 @@ earns the reward), ``no_tool_credit`` (default 0) when it is correct without one
 
 ``calculator`` evaluates arithmetic only (numbers, + - * / // % **, parentheses) by walking the
 expression's syntax tree: no names, calls or attributes, so model-written input never runs code.
+Every value stays below ``2**MAX_BITS`` in magnitude, and a power is refused before it is
+computed when its result would not: a tool runs on a thread of the replica's process, and
+Python holds the GIL while it builds a huge integer (``(((9**64)**64)**64)**64``: 13 s).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from streamrl.rollout_fleet.rewards.gsm8k import extract_solution
 SYSTEM = ("Solve the problem step by step. Use the calculator tool for every computation, then "
           'give the final answer after "####".')
 MAX_EXPONENT = 64
+MAX_BITS = 1000
+"""Largest magnitude of any value, as a power of 2 (about 1e301): inside float range, so every
+result that passes prints and compares as a number."""
 MAX_EXPRESSION_CHARS = 200
 
 _BINARY = {
@@ -38,15 +44,32 @@ def _eval(node: ast.AST) -> float:
     if isinstance(node, ast.Expression):
         return _eval(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_eval(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-            raise ValueError(f"exponent {right} is too large (limit {MAX_EXPONENT})")
-        return _BINARY[type(node.op)](left, right)
+        if isinstance(node.op, ast.Pow):
+            _check_power(left, right)
+        # Operands below 2**MAX_BITS keep every other operator cheap: a product has at most
+        # twice their bits, and is checked before it is used.
+        return _bounded(_BINARY[type(node.op)](left, right))
     raise ValueError(f"unsupported syntax: {type(node).__name__}")
+
+
+def _check_power(base: float, exponent: float) -> None:
+    """Refuse ``base ** exponent`` before computing it when it would leave the bound."""
+    if abs(exponent) > MAX_EXPONENT:
+        raise ValueError(f"exponent {exponent} is too large (limit {MAX_EXPONENT})")
+    # A negative exponent gives a float (computed in constant time, overflow raises).
+    if exponent > 0 and abs(base) > 1 and exponent * math.log2(abs(base)) >= MAX_BITS:
+        raise ValueError(f"the power is too large (limit 2**{MAX_BITS} in magnitude)")
+
+
+def _bounded(value: float) -> float:
+    if abs(value) >= 2**MAX_BITS:  # exact for ints and floats alike; NaN passes, checked last
+        raise ValueError(f"the value is too large (limit 2**{MAX_BITS} in magnitude)")
+    return value
 
 
 def format_number(value: float) -> str:
