@@ -26,22 +26,17 @@ Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 from __future__ import annotations
 
 import argparse
-import os
+import asyncio
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"),
-                     ("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                     ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(_key, _value)
+# benchmarks/rollout.py (this file's directory is on sys.path) sets the engines' environment
+# when imported: it must come before anything that loads torch or vLLM.
+from rollout import add_model_args, model_dir_of, run_replica
 
-import asyncio  # noqa: E402 - the environment above must be set before torch / vLLM load
-
-from streamrl.rollout_fleet.agent import Environment, StepResult  # noqa: E402
-from streamrl.testing import result_line  # noqa: E402
+from streamrl.rollout_fleet.agent import Environment, StepResult
+from streamrl.testing import result_line
 
 GOAL = 0.7
 PHASES = ("render_s", "parse_s", "tool_s", "env_s")
@@ -61,26 +56,9 @@ class BenchEnv(Environment):
         return StepResult([{"role": "user", "content": f"go on {turn.index}"}], 0.0, False)
 
 
-class ZeroScorer:
-    async def score(self, *args: Any) -> float:
-        return 0.0
-
-
 async def run(engine: Any, tokenizer: Any, prompts: list[Any], rollout: Any
               ) -> dict[str, float]:
-    from streamrl.buffer.memory import MemoryBuffer
-    from streamrl.data import ListPromptSource, PromptStream
-    from streamrl.rollout_fleet.replica import Replica
-
-    buffer = MemoryBuffer(groups_per_step=len(prompts), max_staleness=0)
-    stream = PromptStream(ListPromptSource(prompts, name="bench"), shuffle=False, seed=0)
-    replica = Replica(engine, buffer, stream, ZeroScorer(), tokenizer, rollout)
-    start = time.perf_counter()
-    replica.start()
-    while buffer.stats().produced < len(prompts):
-        await asyncio.sleep(0.005)
-    wall_s = time.perf_counter() - start
-    await replica.stop()
+    wall_s, replica, buffer = await run_replica(engine, tokenizer, prompts, rollout)
     groups = buffer.take(len(prompts), 0, timeout=10)
     trajs = [t for g in groups for t in g.trajectories]
     out = {"wall_s": wall_s, "sampled": float(sum(t.num_policy_tokens for t in trajs)),
@@ -133,22 +111,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-tokens", type=int, default=32, help="sampled tokens per turn")
     p.add_argument("--inflight", type=int, default=8, help="rollout.max_inflight_groups")
-    p.add_argument("--model-dir", default=None,
-                   help="HF model directory (default: an offline random tiny Qwen2, built once)")
-    p.add_argument("--hidden-size", type=int, default=64, help="width of the built model")
-    p.add_argument("--layers", type=int, default=2, help="layers of the built model")
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from streamrl.testing import build_tiny_model
-
-    model_dir = args.model_dir or str(build_tiny_model(
-        Path(tempfile.gettempdir()) / f"streamrl-bench-h{args.hidden_size}-l{args.layers}",
-        hidden_size=args.hidden_size, num_layers=args.layers,
-        num_heads=max(1, args.hidden_size // 32), intermediate_size=4 * args.hidden_size))
+    model_dir = model_dir_of(args)
     print(f"model {model_dir}: {args.prompts} prompts x n={args.n}, {args.turns} turns x "
           f"{args.turn_tokens} tokens vs one turn of {args.turns * args.turn_tokens}, "
           f"{args.inflight} groups in flight")

@@ -44,6 +44,26 @@ class ZeroScorer:
         return 0.0
 
 
+async def run_replica(engine: Any, tokenizer: Any, prompts: list[Any], rollout: Any
+                      ) -> tuple[float, Any, Any]:
+    """The real ``Replica`` loop over ``prompts`` (scored 0) until each prompt's group is in a
+    ``MemoryBuffer``: (wall seconds from its start, the stopped replica, the buffer)."""
+    from streamrl.buffer.memory import MemoryBuffer
+    from streamrl.data import ListPromptSource, PromptStream
+    from streamrl.rollout_fleet.replica import Replica
+
+    buffer = MemoryBuffer(groups_per_step=len(prompts), max_staleness=0)
+    stream = PromptStream(ListPromptSource(prompts, name="bench"), shuffle=False, seed=0)
+    replica = Replica(engine, buffer, stream, ZeroScorer(), tokenizer, rollout)
+    start = time.perf_counter()
+    replica.start()
+    while buffer.stats().produced < len(prompts):
+        await asyncio.sleep(0.005)
+    wall_s = time.perf_counter() - start
+    await replica.stop()
+    return wall_s, replica, buffer
+
+
 def ragged_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[Any]:
     from streamrl.data import Prompt
 
@@ -60,12 +80,9 @@ async def measure(backend: str, model_dir: str, prompts: list[Any], args: argpar
                   ) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from streamrl.buffer.memory import MemoryBuffer
     from streamrl.config import RolloutConfig
-    from streamrl.data import ListPromptSource, PromptStream
     from streamrl.rollout_fleet import make_engine
     from streamrl.rollout_fleet.engine import SamplingParams
-    from streamrl.rollout_fleet.replica import Replica
 
     rollout = RolloutConfig(backend=backend, n=args.n, max_new_tokens=args.max_new_tokens,
                             max_inflight_groups=args.inflight, temperature=1.0,
@@ -75,16 +92,8 @@ async def measure(backend: str, model_dir: str, prompts: list[Any], args: argpar
     startup_s = time.perf_counter() - start
     try:
         await engine.generate(prompts[0].prompt_ids, SamplingParams(max_tokens=4), "warmup")
-        buffer = MemoryBuffer(groups_per_step=len(prompts), max_staleness=0)
-        stream = PromptStream(ListPromptSource(prompts, name="ragged"), shuffle=False, seed=0)
-        replica = Replica(engine, buffer, stream, ZeroScorer(),
-                          AutoTokenizer.from_pretrained(model_dir), rollout)
-        start = time.perf_counter()
-        replica.start()
-        while buffer.stats().produced < len(prompts):
-            await asyncio.sleep(0.005)
-        wall_s = time.perf_counter() - start
-        await replica.stop()
+        wall_s, replica, _ = await run_replica(
+            engine, AutoTokenizer.from_pretrained(model_dir), prompts, rollout)
         m = replica.metrics()
     finally:
         await engine.close()
@@ -103,23 +112,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--inflight", type=int, default=8, help="rollout.max_inflight_groups")
+    add_model_args(p)
+    return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None,
                    help="HF model directory (default: an offline random tiny Qwen2, built once)")
     p.add_argument("--hidden-size", type=int, default=64,
                    help="width of the built model (heads of 32; default 64: the test model)")
     p.add_argument("--layers", type=int, default=2, help="layers of the built model")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+
+
+def model_dir_of(args: argparse.Namespace) -> str:
+    """``--model-dir``, or the tiny model ``add_model_args``' options describe (built once)."""
+    from streamrl.testing import build_tiny_model
+
+    return args.model_dir or str(build_tiny_model(
+        Path(tempfile.gettempdir()) / f"streamrl-bench-h{args.hidden_size}-l{args.layers}",
+        hidden_size=args.hidden_size, num_layers=args.layers,
+        num_heads=max(1, args.hidden_size // 32), intermediate_size=4 * args.hidden_size))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from streamrl.testing import build_tiny_model
-
-    model_dir = args.model_dir or str(build_tiny_model(
-        Path(tempfile.gettempdir()) / f"streamrl-bench-h{args.hidden_size}-l{args.layers}",
-        hidden_size=args.hidden_size, num_layers=args.layers,
-        num_heads=max(1, args.hidden_size // 32), intermediate_size=4 * args.hidden_size))
+    model_dir = model_dir_of(args)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size

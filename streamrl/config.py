@@ -6,15 +6,20 @@ Parts:
   the only place a mode's values are written (``configs/mode/*.yaml`` show the same values,
   checked by a test), and ``with_mode(cfg, mode)`` to apply one in Python,
 - ``register_configs()``: puts them in Hydra's ConfigStore (``configs/`` YAML groups build on them),
-- ``validate(cfg)``: every inconsistent setting becomes one ``ConfigError`` naming key and value,
-  including every setting a mode would contradict or that could never make progress,
+- ``validate(cfg)``: every inconsistent setting becomes one ``ConfigError`` naming key and value.
+  Each section checks its own keys in its ``validate`` method (names against the registries
+  they extend: ``algos``' estimators and losses, ``plugins.AGENT_ENVS``, the toy tasks);
+  ``validate`` adds what ties sections together: every setting a mode would contradict or
+  that could never make progress, batch and sequence sizes, co-location,
 - ``load_config(overrides)``: compose ``configs/config.yaml`` + overrides into a validated Config
   (verl-style keys are translated by ``config_compat``); an unknown key (with the closest one as
   a hint), a value of the wrong type or an unknown preset is one ``ConfigError`` line too.
 
 Defaults live here, in the dataclasses, never in ``cfg.get(key, default)`` calls elsewhere.
 This module depends on nothing else in streamrl except name lists (``algos``' registries, the
-built-in agent environments, the toy tasks) and the override translation of ``config_compat``.
+built-in agent environments of ``plugins``, the toy tasks) and the override translation of
+``config_compat``; ``algos`` and the toy tasks are imported by the checks that use them, so
+importing it imports neither torch nor the rollout fleet.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from streamrl.config_compat import translate_overrides
 from streamrl.errors import ConfigError
 from streamrl.logs import LOG_LEVELS
+from streamrl.plugins import AGENT_ENVS
 
 __all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "validate",
            "with_mode"]
@@ -37,6 +43,35 @@ __all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "v
 UPDATE_POLICIES = ("drain", "pause", "abort")
 DTYPES = ("float32", "bfloat16", "float16")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _fail(key: str, value: Any, why: str) -> NoReturn:
+    raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
+    if value not in choices:
+        _fail(key, value, f"must be one of {sorted(choices)}")
+
+
+def _check_positive(section: Any, key: str, *names: str, allow_zero: bool = False) -> None:
+    """Fields ``names`` of ``section`` (the section at ``key``) are > 0, or >= 0."""
+    for name in names:
+        value = getattr(section, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            _fail(f"{key}.{name}", value, "must be >= 0" if allow_zero else "must be > 0")
+
+
+def _check_fraction(key: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        _fail(key, value, "must be in (0, 1]")
+
+
+def _check_port(key: str, value: int) -> None:
+    if value < 0:
+        _fail(key, value, "must be >= 0")
+    if value > 65535:
+        _fail(key, value, "must be a TCP port, <= 65535")
 
 
 @dataclass(frozen=True)
@@ -47,14 +82,12 @@ class ModePreset:
     """The staleness bound eta; None: chosen by ``buffer.max_staleness`` (>= 1)."""
     update_policies: tuple[str, ...]
     """Allowed ``weight_bus.update_policy`` values; the first is the mode's default."""
-    overlap: str
-    """What runs at the same time (for people reading the table)."""
 
 
 MODE_PRESETS: dict[str, ModePreset] = {
-    "sync": ModePreset(0, ("drain",), "nothing: batch V+1 is sampled by weights V"),
-    "one_step_off": ModePreset(1, ("drain",), "sampling of batch V+1 with training of V"),
-    "fully_async": ModePreset(None, ("pause", "abort", "drain"), "everything, continuously"),
+    "sync": ModePreset(0, ("drain",)),  # nothing overlaps: batch V+1 is sampled by weights V
+    "one_step_off": ModePreset(1, ("drain",)),  # sampling of batch V+1 with training of V
+    "fully_async": ModePreset(None, ("pause", "abort", "drain")),  # everything, continuously
 }
 """Also fixed by every mode: replicas must never lag more versions behind than eta allows, so
 ``weight_bus.sync_every <= eta + 1`` (a group sampled by weights published k steps ago is k
@@ -76,6 +109,10 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, ~30 % more
     compute); works under FSDP2."""
+
+    def validate(self) -> None:
+        """Nothing to check before loading: ``resolve_model_path`` names a path that holds no
+        model (``load_config`` checks that a pretrained model has its preset)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +192,69 @@ class RolloutConfig:
     reward travels in the group (``Group.baseline_reward``) as the advantage baseline.
     ``algorithm=remax`` turns it on."""
 
+    def validate(self) -> None:
+        _check_choice("rollout.backend", self.backend, ("vllm", "hf", "sglang"))
+        if self.engine_in_process and self.backend != "vllm":
+            _fail("rollout.engine_in_process", True,
+                  f"only vLLM runs in the replica's process, not rollout.backend="
+                  f"{self.backend}: drop the override or use rollout.backend=vllm")
+        _check_positive(self, "rollout", "n", "max_new_tokens", "max_inflight_groups",
+                        "max_model_len", "temperature")
+        _check_positive(self, "rollout", "max_retries", "num_replicas", allow_zero=True)
+        _check_fraction("rollout.gpu_memory_utilization", self.gpu_memory_utilization)
+        _check_fraction("rollout.top_p", self.top_p)
+        _check_choice("rollout.dtype", self.dtype, DTYPES)
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            _fail("rollout.kv_cache_gb", self.kv_cache_gb, "must be > 0, or null")
+        if any(t < 0 for t in self.stop_token_ids):
+            _fail("rollout.stop_token_ids", self.stop_token_ids, "must be token ids >= 0")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail("rollout.top_k", self.top_k, "must be -1 (off) or > 0")
+        if self.backend == "sglang" and (self.top_k > 0 or self.top_p < 1.0):
+            key, value = ("top_k", self.top_k) if self.top_k > 0 else ("top_p", self.top_p)
+            _fail(f"rollout.{key}", value, "needs rollout.backend=vllm or hf: SGLang returns "
+                  "log-probs before the top-k / top-p cut, which the learner's (of the cut "
+                  "distribution) would not match")
+        if self.greedy_baseline and self.agent is not None:
+            _fail("rollout.greedy_baseline", True, f"is for single-turn groups, not agent "
+                  f"episodes (rollout.agent={self.agent!r})")
+        self._check_dapo()
+        self._check_agent()
+
+    def _check_dapo(self) -> None:
+        """Dynamic sampling needs groups that can differ; the overlong zone must fit the budget
+        the penalty counts against (max_episode_tokens for agent episodes)."""
+        if self.filter_groups and self.n < 2:
+            _fail("rollout.n", self.n, "must be >= 2 with rollout.filter_groups=true (a group of "
+                  "one always has equal rewards, so every group would be filtered)")
+        ob = self.overlong_buffer
+        if not ob.enable:
+            return
+        budget_key = "max_episode_tokens" if self.agent else "max_new_tokens"
+        budget = getattr(self, budget_key)
+        if not 0 < ob.len <= budget:
+            _fail("rollout.overlong_buffer.len", ob.len, f"must be in (0, rollout.{budget_key}="
+                  f"{budget}] with rollout.overlong_buffer.enable=true")
+        if not (ob.penalty_factor >= 0 and math.isfinite(ob.penalty_factor)):
+            _fail("rollout.overlong_buffer.penalty_factor", ob.penalty_factor,
+                  "must be a finite number >= 0")
+
+    def _check_agent(self) -> None:
+        """A loadable-looking ``agent`` (its code is imported by ``rollout_fleet.load_user_code``
+        before anything starts), its tools and budgets."""
+        if self.agent is None:
+            if self.tools:
+                _fail("rollout.tools", self.tools, "needs rollout.agent (tools serve an "
+                      "environment)")
+            return
+        if self.agent not in AGENT_ENVS and ":" not in self.agent:
+            _fail("rollout.agent", self.agent,
+                  f"must be a built-in environment {sorted(AGENT_ENVS)} or 'module:Class'")
+        for tool in self.tools:
+            if ":" not in tool:
+                _fail("rollout.tools", tool, "must be 'module:function' or 'file.py:function'")
+        _check_positive(self, "rollout", "max_turns", "max_episode_tokens", "tool_timeout_s")
+
 
 REWARD_KINDS = ("rule", "model", "judge", "custom")
 DEFAULT_JUDGE_TEMPLATE = (
@@ -191,6 +291,15 @@ class RewardModelConfig:
     timeout_s: float = 60.0
     """A call without a score after this long scores 0 (counted as a timeout)."""
 
+    def validate(self) -> None:
+        if not self.path:
+            _fail("reward.model.path", self.path, "is required with reward.kind=model")
+        _check_positive(self, "reward.model", "micro_batch_size", "max_length", "timeout_s")
+        _check_positive(self, "reward.model", "batch_wait_s", "num_cpus", "num_gpus",
+                        allow_zero=True)
+        _check_choice("reward.model.dtype", self.dtype, DTYPES)
+        _check_choice("reward.model.device", self.device, ("auto", "cpu", "cuda"))
+
 
 @dataclass(frozen=True)
 class JudgeConfig:
@@ -216,6 +325,20 @@ class JudgeConfig:
     num_gpus: float = 0.0
     timeout_s: float = 120.0
 
+    def validate(self) -> None:
+        if not self.model_path:
+            _fail("reward.judge.model_path", self.model_path, "is required with reward.kind=judge")
+        _check_choice("reward.judge.backend", self.backend, ("vllm", "hf"))
+        if "{response}" not in self.prompt_template:
+            _fail("reward.judge.prompt_template", self.prompt_template,
+                  "must contain {response} (and usually {prompt}, {ground_truth})")
+        _check_positive(self, "reward.judge", "max_new_tokens", "max_model_len",
+                        "max_concurrency", "timeout_s")
+        _check_positive(self, "reward.judge", "temperature", "num_cpus", "num_gpus",
+                        allow_zero=True)
+        _check_choice("reward.judge.dtype", self.dtype, DTYPES)
+        _check_fraction("reward.judge.gpu_memory_utilization", self.gpu_memory_utilization)
+
 
 @dataclass(frozen=True)
 class RewardConfig:
@@ -237,6 +360,33 @@ class RewardConfig:
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(self.kind) if isinstance(self.kind, (tuple, list)) else (self.kind,)
+
+    def validate(self) -> None:
+        """``kind`` (one kind or a list, no repeats), one finite weight per kind, and the keys
+        each kind needs."""
+        _check_choice("reward.name", self.name,
+                      ("auto", "toy", "gsm8k", "math_verify", "reasoning_gym", "custom"))
+        _check_positive(self, "reward", "timeout_s", "num_workers")
+        kinds = self.kinds
+        if not kinds or len(set(kinds)) != len(kinds):
+            _fail("reward.kind", self.kind, f"must be one of {list(REWARD_KINDS)} or a list of "
+                  "different ones, e.g. [rule,model]")
+        for kind in kinds:
+            _check_choice("reward.kind", kind, REWARD_KINDS)
+        if self.weights and len(self.weights) != len(kinds):
+            _fail("reward.weights", self.weights, f"needs one weight per reward.kind {list(kinds)}")
+        if not all(math.isfinite(w) for w in self.weights):
+            _fail("reward.weights", self.weights, "must be finite numbers")
+        if (self.name == "custom" or "custom" in kinds) and not self.custom_path:
+            _fail("reward.custom_path", self.custom_path, "is required with reward.name=custom "
+                  "or reward.kind=custom")
+        if self.name == "custom" and {"rule", "custom"} <= set(kinds):
+            _fail("reward.name", self.name, "with reward.kind=[rule,custom] the rule part must "
+                  "be a built-in scorer: set reward.name=auto (or a scorer name)")
+        if "model" in kinds:
+            self.model.validate()
+        if "judge" in kinds:
+            self.judge.validate()
 
 
 @dataclass(frozen=True)
@@ -261,6 +411,17 @@ class TaskConfig:
     instead of rollout.max_new_tokens (a long tail of answers, as in reasoning data)."""
     long_tail_tokens: int = 64
 
+    def validate(self) -> None:
+        _check_choice("task.source", self.source, ("toy", "parquet", "reasoning_gym"))
+        if self.source == "toy":
+            from streamrl.data.toy import TASKS
+
+            _check_choice("task.name", self.name, TASKS)
+        if self.source == "parquet" and not self.train_files:
+            _fail("task.train_files", self.train_files, "is required with task.source=parquet")
+        _check_positive(self, "task", "train_batch_size", "max_prompt_length", "size")
+        _check_positive(self, "task", "val_size", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
@@ -275,6 +436,17 @@ class AlgorithmConfig:
     target_kl: float = 0.1
     horizon: int = 10000
 
+    def validate(self) -> None:
+        from streamrl import algos
+
+        _check_choice("algorithm.adv_estimator", self.adv_estimator, list(algos.ADV_ESTIMATORS))
+        _check_choice("algorithm.kl_penalty", self.kl_penalty, algos.KL_PENALTY_TYPES)
+        _check_choice("algorithm.kl_ctrl_type", self.kl_ctrl_type, ("fixed", "adaptive"))
+        for key, value in (("algorithm.gamma", self.gamma), ("algorithm.lam", self.lam)):
+            if not 0.0 <= value <= 1.0:
+                _fail(key, value, "must be in [0, 1]")
+        _check_positive(self, "algorithm", "kl_coef", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -287,6 +459,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     total_steps: int = 0
     """0: take trainer.total_steps."""
+
+    def validate(self, key: str) -> None:
+        """``key``: where this optimizer sits (actor.optim, critic.optim; SFT's optim)."""
+        _check_positive(self, key, "lr")
+        _check_positive(self, key, "warmup_steps", "weight_decay", allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _fail(f"{key}.betas", self.betas, "must be two numbers in [0, 1), e.g. [0.9,0.999]")
+        _check_choice(f"{key}.lr_schedule", self.lr_schedule, ("constant", "cosine"))
 
 
 @dataclass(frozen=True)
@@ -355,6 +535,81 @@ class ActorConfig:
     (responses padded to data.max_response_length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    def validate(self) -> None:
+        from streamrl import algos
+
+        _check_choice("actor.policy_loss", self.policy_loss, list(algos.POLICY_LOSSES))
+        _check_choice("actor.loss_agg_mode", self.loss_agg_mode, algos.LOSS_AGG_MODES)
+        _check_choice("actor.kl_loss_type", self.kl_loss_type, algos.KL_PENALTY_TYPES)
+        _check_positive(self, "actor", "ppo_max_token_len", "ppo_epochs")
+        _check_positive(self, "actor", "entropy_coeff", "kl_loss_coef", "grad_clip",
+                        allow_zero=True)
+        for name in ("ppo_mini_batch_size", "ppo_micro_batch_size",
+                     "ppo_micro_batch_size_per_gpu"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                _fail(f"actor.{name}", value, "must be > 0, or null to derive it from the batch")
+        if self.ppo_micro_batch_size is not None and self.ppo_micro_batch_size_per_gpu is not None:
+            _fail("actor.ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu,
+                  f"and actor.ppo_micro_batch_size={self.ppo_micro_batch_size} both size the "
+                  "micro-batch: set one (per_gpu counts samples per rank, the other groups)")
+        self._check_policy_loss()
+        self.optim.validate("actor.optim")
+
+    def _check_policy_loss(self) -> None:
+        """The settings ``learner.actor.policy_loss_config`` hands to ``algos.PolicyLossConfig``
+        (which checks them again, in its own terms, for callers of ``algos``)."""
+        from streamrl import algos
+
+        _check_choice("actor.rollout_is_level", self.rollout_is_level, algos.ROLLOUT_IS_LEVELS)
+        _check_choice("actor.icepop_level", self.icepop_level, algos.ROLLOUT_IS_LEVELS)
+        _check_positive(self, "actor", "clip_ratio", allow_zero=True)
+        for name in [f"{mode}clip_ratio_{side}" for mode in ("", "gspo_", "cispo_")
+                     for side in ("low", "high")]:
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                _fail(f"actor.{name}", value, "must be >= 0")
+        if self.clip_ratio_c <= 1.0:
+            _fail("actor.clip_ratio_c", self.clip_ratio_c, "must be > 1 (dual-clip bound)")
+        for name in ("tis_cap", "decoupled_weight_cap", "loss_scale_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                _fail(f"actor.{name}", value, "must be > 0 or null")
+        if self.tis_cap is None and self.rollout_is_level != "token":
+            _fail("actor.rollout_is_level", self.rollout_is_level,
+                  "sets the level of the truncated IS weights: set actor.tis_cap too")
+        if self.tis_cap is None and self.rollout_is_batch_normalize:
+            _fail("actor.rollout_is_batch_normalize", True,
+                  "normalises the truncated IS weights: set actor.tis_cap too")
+        try:
+            algos.parse_rollout_rs(self.rollout_rs, self.rollout_rs_threshold)
+        except algos.RolloutRSError as exc:
+            _fail(f"actor.{exc.key}", exc.value, exc.why)
+        for what in ("icepop", "rejection"):
+            lo_key, hi_key = f"actor.{what}_low", f"actor.{what}_high"
+            lo, hi = getattr(self, f"{what}_low"), getattr(self, f"{what}_high")
+            if (lo is None) != (hi is None):
+                _fail(lo_key, lo, f"set both {lo_key} and {hi_key}, or neither")
+            if lo is not None and not 0 <= lo < hi:
+                _fail(lo_key, lo, f"must satisfy 0 <= {lo_key} < {hi_key}={hi}")
+        # Importance weights must be applied once: bypass already uses the behaviour policy as
+        # the old policy, and decoupled PPO carries its own proximal/behaviour weight.
+        if (not self.recompute_log_prob and self.tis_cap is not None
+                and algos.policy_loss_weights_by_ratio(self.policy_loss)):
+            _fail("actor.tis_cap", self.tis_cap,
+                  "cannot be combined with actor.recompute_log_prob=false (bypass): the "
+                  f"{self.policy_loss!r} ratio already is the IS weight (policy_loss=reinforce "
+                  "takes it): set actor.tis_cap=null (truncated IS is on by default)")
+        if not self.recompute_log_prob and self.policy_loss == "decoupled":
+            _fail("actor.policy_loss", self.policy_loss,
+                  "needs recomputed proximal log-probs: set actor.recompute_log_prob=true")
+        if self.policy_loss == "decoupled" and (
+            self.tis_cap is not None or self.icepop_low is not None
+        ):
+            _fail("actor.policy_loss", self.policy_loss,
+                  "already weights by proximal/behaviour: set actor.tis_cap=null (truncated IS is "
+                  "on by default) and unset actor.icepop_*")
+
 
 @dataclass(frozen=True)
 class CriticConfig:
@@ -366,6 +621,13 @@ class CriticConfig:
     actor.loss_agg_mode; here it is token-mean unless set."""
     ppo_epochs: int = 2
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+
+    def validate(self) -> None:
+        from streamrl import algos
+
+        _check_choice("critic.loss_agg_mode", self.loss_agg_mode, algos.LOSS_AGG_MODES)
+        _check_positive(self, "critic", "ppo_epochs")
+        self.optim.validate("critic.optim")
 
 
 @dataclass(frozen=True)
@@ -384,6 +646,11 @@ class LearnerConfig:
     """Co-located sync runs (weight_bus.backend=colocated): move parameters, gradients and
     optimizer state to host memory while the engine generates, back before training. Frees
     device memory for the engine on GPUs; nothing to move on CPU."""
+
+    def validate(self) -> None:
+        _check_choice("learner.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("learner.mixed_precision", self.mixed_precision, ("auto", "bf16", "fp32"))
+        _check_positive(self, "learner", "world_size")
 
 
 @dataclass(frozen=True)
@@ -404,6 +671,12 @@ class BufferConfig:
     """How long Redis calls retry through a restart or outage (reconnecting with backoff)
     before the run stops with an error naming buffer.redis_url."""
 
+    def validate(self) -> None:
+        """eta's bound by mode is ``validate``'s (``_check_mode``): it needs trainer.mode."""
+        _check_choice("buffer.backend", self.backend, ("memory", "redis"))
+        _check_positive(self, "buffer", "take_timeout_s", "redis_outage_s")
+        _check_positive(self, "buffer", "max_staleness", allow_zero=True)
+
 
 @dataclass(frozen=True)
 class WeightBusConfig:
@@ -419,6 +692,12 @@ class WeightBusConfig:
     single-node run (runtime.address null), else the Ray node IP of rank 0's node."""
     master_port: int = 0
     """0: pick a free port (on rank 0's node)."""
+
+    def validate(self) -> None:
+        _check_choice("weight_bus.backend", self.backend, ("collective", "colocated"))
+        _check_choice("weight_bus.update_policy", self.update_policy, UPDATE_POLICIES)
+        _check_positive(self, "weight_bus", "bucket_mb", "timeout_s", "sync_every")
+        _check_port("weight_bus.master_port", self.master_port)
 
 
 @dataclass(frozen=True)
@@ -448,6 +727,17 @@ class TrainerConfig:
     and when the learner waited, updated and published."""
     seed: int = 0
 
+    def validate(self) -> None:
+        _check_choice("trainer.mode", self.mode, MODES)
+        for sink in self.logger:
+            _check_choice("trainer.logger", sink, ("console", "jsonl", "wandb", "tensorboard"))
+        _check_choice("trainer.log_level", self.log_level, LOG_LEVELS)
+        _check_positive(self, "trainer", "total_steps", "val_timeout_s")
+        _check_positive(self, "trainer", "test_freq", "save_freq", "total_epochs", "max_to_keep",
+                        allow_zero=True)
+        if self.resume not in ("disable", "auto") and not Path(self.resume).exists():
+            _fail("trainer.resume", self.resume, "is neither disable, auto nor a checkpoint dir")
+
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -465,6 +755,9 @@ class PoolConfig:
 
     def __hash__(self) -> int:  # configs stay hashable (see _tuples) with a mapping inside
         return hash((self.strategy, tuple(sorted(self.labels.items()))))
+
+    def validate(self, key: str) -> None:
+        _check_choice(f"{key}.strategy", self.strategy, PLACEMENT_STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -499,6 +792,21 @@ class RuntimeConfig:
     """A replica that does not answer its heartbeat, or holds requests without finishing one,
     this long is declared hung, killed and re-created."""
 
+    def validate(self) -> None:
+        _check_choice("runtime.placement", self.placement, ("colocated", "disaggregated"))
+        self.train_pool.validate("runtime.train_pool")
+        self.rollout_pool.validate("runtime.rollout_pool")
+        if self.num_cpus is not None and self.num_cpus <= 0:
+            _fail("runtime.num_cpus", self.num_cpus, "must be > 0, or null for every core")
+        _check_positive(self, "runtime", "cpus_per_replica", "cpus_per_learner", "heartbeat_s",
+                        "stall_timeout_s")
+        _check_positive(self, "runtime", "max_restarts", allow_zero=True)
+        for name in ("gpus_per_replica", "gpus_per_learner"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                _fail(f"runtime.{name}", value, "must be >= 0, or null (1 where the cluster has "
+                      "GPUs)")
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -524,6 +832,12 @@ class ServeConfig:
     retry_after_s: int = 1
     """Retry-After of a 429 at the staleness bound."""
     shutdown_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        _check_positive(self, "serve", "max_tokens", "max_body_bytes", "episode_ttl_s",
+                        "group_timeout_s", "shutdown_timeout_s")
+        _check_positive(self, "serve", "retry_after_s", allow_zero=True)
+        _check_port("serve.port", self.port)
 
 
 @dataclass(frozen=True)
@@ -552,6 +866,12 @@ class Config:
         """Groups per forward/backward with fixed micro-batches (``use_dynamic_bsz=false``):
         ``actor.ppo_micro_batch_size``, or the whole mini-batch."""
         return self.actor.ppo_micro_batch_size or self.mini_batch_groups
+
+    @property
+    def is_sync(self) -> bool:
+        """Whether sampling and learning take turns (eta = 0, ``trainer.mode=sync``): each batch
+        is sampled by the weights it then trains, and nothing overlaps."""
+        return self.buffer.max_staleness == 0
 
     @property
     def use_critic(self) -> bool:
@@ -591,22 +911,6 @@ class Config:
         return self.proximal_before_update or self.use_ref or self.use_critic
 
 
-def _fail(key: str, value: Any, why: str) -> None:
-    raise ConfigError(f"{key}={value!r}: {why}")
-
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...] | list[str]) -> None:
-    if value not in choices:
-        _fail(key, value, f"must be one of {sorted(choices)}")
-
-
-def _check_positive(cfg: Config, keys: list[str], *, allow_zero: bool = False) -> None:
-    for key in keys:
-        value = _lookup(cfg, key)
-        if value < 0 or (value == 0 and not allow_zero):
-            _fail(key, value, "must be >= 0" if allow_zero else "must be > 0")
-
-
 def _lookup(cfg: Config, key: str) -> Any:
     obj: Any = cfg
     for part in key.split("."):
@@ -614,223 +918,24 @@ def _lookup(cfg: Config, key: str) -> Any:
     return obj
 
 
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+"""Advantage estimators whose baseline is the rest of the group."""
+
+
 def validate(cfg: Config) -> Config:
-    """Raise ConfigError for the first inconsistent setting; return cfg unchanged otherwise."""
-    from streamrl import algos  # the estimator / loss registries are the single source of names
-
-    _check_choice("trainer.mode", cfg.trainer.mode, MODES)
-    _check_choice("rollout.backend", cfg.rollout.backend, ("vllm", "hf", "sglang"))
-    if cfg.rollout.engine_in_process and cfg.rollout.backend != "vllm":
-        _fail("rollout.engine_in_process", True,
-              f"only vLLM runs in the replica's process, not rollout.backend="
-              f"{cfg.rollout.backend}: drop the override or use rollout.backend=vllm")
-    _check_choice("buffer.backend", cfg.buffer.backend, ("memory", "redis"))
-    _check_choice("weight_bus.backend", cfg.weight_bus.backend, ("collective", "colocated"))
-    _check_choice("weight_bus.update_policy", cfg.weight_bus.update_policy, UPDATE_POLICIES)
-    _check_choice("task.source", cfg.task.source, ("toy", "parquet", "reasoning_gym"))
-    _check_choice("reward.name", cfg.reward.name,
-                  ("auto", "toy", "gsm8k", "math_verify", "reasoning_gym", "custom"))
-    _check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator,
-                  list(algos.ADV_ESTIMATORS))
-    _check_choice("actor.policy_loss", cfg.actor.policy_loss, list(algos.POLICY_LOSSES))
-    _check_choice("actor.loss_agg_mode", cfg.actor.loss_agg_mode, algos.LOSS_AGG_MODES)
-    _check_choice("critic.loss_agg_mode", cfg.critic.loss_agg_mode, algos.LOSS_AGG_MODES)
-    _check_choice("actor.rollout_is_level", cfg.actor.rollout_is_level, algos.ROLLOUT_IS_LEVELS)
-    _check_choice("actor.kl_loss_type", cfg.actor.kl_loss_type, algos.KL_PENALTY_TYPES)
-    _check_choice("algorithm.kl_penalty", cfg.algorithm.kl_penalty, algos.KL_PENALTY_TYPES)
-    _check_choice("algorithm.kl_ctrl_type", cfg.algorithm.kl_ctrl_type, ("fixed", "adaptive"))
-    _check_choice("runtime.placement", cfg.runtime.placement, ("colocated", "disaggregated"))
-    for pool in ("train_pool", "rollout_pool"):
-        _check_choice(f"runtime.{pool}.strategy", getattr(cfg.runtime, pool).strategy,
-                      PLACEMENT_STRATEGIES)
-    _check_choice("learner.device", cfg.learner.device, ("auto", "cpu", "cuda"))
-    _check_choice("learner.mixed_precision", cfg.learner.mixed_precision, ("auto", "bf16", "fp32"))
-    _check_choice("actor.optim.lr_schedule", cfg.actor.optim.lr_schedule, ("constant", "cosine"))
-    _check_choice("critic.optim.lr_schedule", cfg.critic.optim.lr_schedule, ("constant", "cosine"))
-    for sink in cfg.trainer.logger:
-        _check_choice("trainer.logger", sink, ("console", "jsonl", "wandb", "tensorboard"))
-    _check_choice("trainer.log_level", cfg.trainer.log_level, LOG_LEVELS)
-
-    _check_positive(cfg, [
-        "rollout.n", "rollout.max_new_tokens", "rollout.max_inflight_groups",
-        "rollout.max_model_len", "task.train_batch_size",
-        "task.max_prompt_length", "actor.ppo_max_token_len", "actor.ppo_epochs",
-        "actor.optim.lr", "learner.world_size",
-        "weight_bus.bucket_mb", "weight_bus.timeout_s", "weight_bus.sync_every",
-        "trainer.total_steps", "rollout.temperature", "reward.timeout_s", "reward.num_workers",
-        "buffer.take_timeout_s", "buffer.redis_outage_s", "serve.max_tokens",
-        "serve.max_body_bytes", "serve.episode_ttl_s", "serve.group_timeout_s",
-        "serve.shutdown_timeout_s",
-        "task.size", "runtime.cpus_per_replica", "runtime.cpus_per_learner", "critic.ppo_epochs",
-        "runtime.heartbeat_s", "runtime.stall_timeout_s", "trainer.val_timeout_s",
-    ])
-    if cfg.runtime.num_cpus is not None and cfg.runtime.num_cpus <= 0:
-        _fail("runtime.num_cpus", cfg.runtime.num_cpus, "must be > 0, or null for every core")
-    _check_positive(cfg, [
-        "buffer.max_staleness", "trainer.test_freq", "trainer.save_freq", "trainer.total_epochs",
-        "actor.entropy_coeff", "actor.kl_loss_coef", "actor.grad_clip", "actor.clip_ratio",
-        "actor.optim.warmup_steps", "actor.optim.weight_decay", "rollout.max_retries",
-        "algorithm.kl_coef", "trainer.max_to_keep", "rollout.num_replicas", "serve.port",
-        "serve.retry_after_s", "task.val_size", "weight_bus.master_port",
-        "runtime.max_restarts",
-    ], allow_zero=True)
-    for key in ("serve.port", "weight_bus.master_port"):
-        if _lookup(cfg, key) > 65535:
-            _fail(key, _lookup(cfg, key), "must be a TCP port, <= 65535")
-    if not 0.0 < cfg.rollout.gpu_memory_utilization <= 1.0:
-        _fail("rollout.gpu_memory_utilization", cfg.rollout.gpu_memory_utilization,
-              "must be in (0, 1]")
+    """Raise ConfigError for the first inconsistent setting; return cfg unchanged otherwise.
+    Each section checks its own keys (its ``validate``); the checks here tie sections together."""
+    for f in dataclasses.fields(cfg):
+        getattr(cfg, f.name).validate()
+    _check_mode(cfg)
     if cfg.rollout.num_replicas == 0 and cfg.buffer.backend != "redis":
         _fail("rollout.num_replicas", 0, "needs buffer=redis: a trainer without replicas trains "
               "on the episodes another process (streamrl serve) puts in the shared buffer")
-
-    for key in ("actor.optim.betas", "critic.optim.betas"):
-        betas = _lookup(cfg, key)
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            _fail(key, betas, "must be two numbers in [0, 1), e.g. [0.9,0.999]")
-    if cfg.task.source == "toy":
-        from streamrl.data.toy import TASKS
-
-        _check_choice("task.name", cfg.task.name, TASKS)
-    if not 0.0 < cfg.rollout.top_p <= 1.0:
-        _fail("rollout.top_p", cfg.rollout.top_p, "must be in (0, 1]")
-    _check_choice("rollout.dtype", cfg.rollout.dtype, DTYPES)
-    if cfg.rollout.kv_cache_gb is not None and cfg.rollout.kv_cache_gb <= 0:
-        _fail("rollout.kv_cache_gb", cfg.rollout.kv_cache_gb, "must be > 0, or null")
-    for key in ("runtime.gpus_per_replica", "runtime.gpus_per_learner"):
-        if _lookup(cfg, key) is not None and _lookup(cfg, key) < 0:
-            _fail(key, _lookup(cfg, key), "must be >= 0, or null (1 where the cluster has GPUs)")
-    if any(t < 0 for t in cfg.rollout.stop_token_ids):
-        _fail("rollout.stop_token_ids", cfg.rollout.stop_token_ids, "must be token ids >= 0")
-    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
-        _fail("rollout.top_k", cfg.rollout.top_k, "must be -1 (off) or > 0")
-    if cfg.rollout.backend == "sglang" and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1.0):
-        key = "rollout.top_k" if cfg.rollout.top_k > 0 else "rollout.top_p"
-        _fail(key, _lookup(cfg, key), "needs rollout.backend=vllm or hf: SGLang returns log-probs "
-              "before the top-k / top-p cut, which the learner's (of the cut distribution) "
-              "would not match")
-    if not 0.0 <= cfg.algorithm.gamma <= 1.0:
-        _fail("algorithm.gamma", cfg.algorithm.gamma, "must be in [0, 1]")
-    if not 0.0 <= cfg.algorithm.lam <= 1.0:
-        _fail("algorithm.lam", cfg.algorithm.lam, "must be in [0, 1]")
-    group_estimators = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
-    if cfg.algorithm.adv_estimator in group_estimators and cfg.rollout.n < 2:
-        _fail("rollout.n", cfg.rollout.n,
-              f"must be >= 2 with algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} "
-              "(a group baseline needs at least two samples)")
+    _check_estimator(cfg)
     _check_batch_sizes(cfg)
-    budget_key = "rollout.max_new_tokens"
-    budget = cfg.rollout.max_new_tokens
-    if cfg.task.long_tail and cfg.task.long_tail_tokens > budget:  # the toy task's long answers
-        budget_key, budget = "task.long_tail_tokens", cfg.task.long_tail_tokens
-    longest = cfg.task.max_prompt_length + budget
-    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < longest:
-        _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
-              f"is below the longest sequence task.max_prompt_length + {budget_key} = {longest}")
-    if longest > cfg.rollout.max_model_len:
-        _fail("rollout.max_model_len", cfg.rollout.max_model_len,
-              f"is below task.max_prompt_length + {budget_key} = {longest}")
-    clip_keys = [f"actor.{mode}clip_ratio_{side}" for mode in ("", "gspo_", "cispo_")
-                 for side in ("low", "high")]
-    for key, value in ((k, _lookup(cfg, k)) for k in clip_keys):
-        if value is not None and value < 0:
-            _fail(key, value, "must be >= 0")
-    if cfg.actor.clip_ratio_c <= 1.0:
-        _fail("actor.clip_ratio_c", cfg.actor.clip_ratio_c, "must be > 1 (dual-clip bound)")
-    for key in ("actor.tis_cap", "actor.decoupled_weight_cap"):
-        if _lookup(cfg, key) is not None and not _lookup(cfg, key) > 0:
-            _fail(key, _lookup(cfg, key), "must be > 0 or null")
-    if cfg.actor.tis_cap is None and cfg.actor.rollout_is_level != "token":
-        _fail("actor.rollout_is_level", cfg.actor.rollout_is_level,
-              "sets the level of the truncated IS weights: set actor.tis_cap too")
-    if cfg.actor.tis_cap is None and cfg.actor.rollout_is_batch_normalize:
-        _fail("actor.rollout_is_batch_normalize", True,
-              "normalises the truncated IS weights: set actor.tis_cap too")
-    try:
-        algos.parse_rollout_rs(cfg.actor.rollout_rs, cfg.actor.rollout_rs_threshold)
-    except algos.RolloutRSError as exc:
-        _fail(f"actor.{exc.key}", exc.value, exc.why)
-    _check_choice("actor.icepop_level", cfg.actor.icepop_level, algos.ROLLOUT_IS_LEVELS)
-    if cfg.actor.loss_scale_factor is not None and not cfg.actor.loss_scale_factor > 0:
-        _fail("actor.loss_scale_factor", cfg.actor.loss_scale_factor, "must be > 0 (or null)")
-    for lo_key, hi_key in (("actor.icepop_low", "actor.icepop_high"),
-                           ("actor.rejection_low", "actor.rejection_high")):
-        lo, hi = _lookup(cfg, lo_key), _lookup(cfg, hi_key)
-        if (lo is None) != (hi is None):
-            _fail(lo_key, lo, f"set both {lo_key} and {hi_key}, or neither")
-        if lo is not None and not 0 <= lo < hi:
-            _fail(lo_key, lo, f"must satisfy 0 <= {lo_key} < {hi_key}={hi}")
-    # Importance weights must be applied once: bypass already uses the behaviour policy as the
-    # old policy, and decoupled PPO carries its own proximal/behaviour weight.
-    if (not cfg.actor.recompute_log_prob and cfg.actor.tis_cap is not None
-            and algos.policy_loss_weights_by_ratio(cfg.actor.policy_loss)):
-        _fail("actor.tis_cap", cfg.actor.tis_cap,
-              "cannot be combined with actor.recompute_log_prob=false (bypass): the "
-              f"{cfg.actor.policy_loss!r} ratio already is the IS weight (policy_loss=reinforce "
-              "takes it): set actor.tis_cap=null (truncated IS is on by default)")
-    if not cfg.actor.recompute_log_prob and cfg.actor.policy_loss == "decoupled":
-        _fail("actor.policy_loss", cfg.actor.policy_loss,
-              "needs recomputed proximal log-probs: set actor.recompute_log_prob=true")
-    if cfg.actor.policy_loss == "decoupled" and (
-        cfg.actor.tis_cap is not None or cfg.actor.icepop_low is not None
-    ):
-        _fail("actor.policy_loss", cfg.actor.policy_loss,
-              "already weights by proximal/behaviour: set actor.tis_cap=null (truncated IS is on "
-              "by default) and unset actor.icepop_*")
-    _check_mode(cfg)
-    _check_dapo(cfg)
-    _check_remax(cfg)
+    _check_lengths(cfg)
     _check_colocated(cfg)
-    _check_reward(cfg)
-    if cfg.task.source == "parquet" and not cfg.task.train_files:
-        _fail("task.train_files", cfg.task.train_files, "is required with task.source=parquet")
-    if cfg.trainer.resume not in ("disable", "auto") and not Path(cfg.trainer.resume).exists():
-        _fail("trainer.resume", cfg.trainer.resume, "is neither disable, auto nor a checkpoint dir")
-    _check_agent(cfg)
     return cfg
-
-
-def _check_batch_sizes(cfg: Config) -> None:
-    """Mini- and micro-batch sizes: unset ones derive from the batch (``Config.
-    mini_batch_groups`` / ``micro_batch_groups``); a set one must fit the batch it splits."""
-    a = cfg.actor
-    for key in ("actor.ppo_mini_batch_size", "actor.ppo_micro_batch_size",
-                "actor.ppo_micro_batch_size_per_gpu"):
-        value = _lookup(cfg, key)
-        if value is not None and value <= 0:
-            _fail(key, value, "must be > 0, or null to derive it from the batch")
-    mini = cfg.mini_batch_groups
-    if cfg.task.train_batch_size % mini:
-        _fail("actor.ppo_mini_batch_size", mini,
-              f"must divide task.train_batch_size={cfg.task.train_batch_size} (or leave it "
-              "unset: one optimizer step per batch)")
-    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size > mini:
-        _fail("actor.ppo_micro_batch_size", a.ppo_micro_batch_size,
-              f"is larger than the mini-batch's {mini} groups (actor.ppo_mini_batch_size)")
-    if a.ppo_micro_batch_size is not None and a.ppo_micro_batch_size_per_gpu is not None:
-        _fail("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu,
-              f"and actor.ppo_micro_batch_size={a.ppo_micro_batch_size} both size the "
-              "micro-batch: set one (per_gpu counts samples per rank, the other groups)")
-    if mini % cfg.learner.world_size:
-        _fail("actor.ppo_mini_batch_size", mini,
-              f"must be divisible by learner.world_size={cfg.learner.world_size}")
-
-
-def _check_colocated(cfg: Config) -> None:
-    """The hybrid worker (runtime/hybrid.py): one learner rank and one in-process vLLM engine
-    per bundle, so one replica per rank."""
-    if cfg.weight_bus.backend != "colocated":
-        return
-    if cfg.runtime.placement != "colocated":
-        _fail("weight_bus.backend", "colocated",
-              "swaps weights inside a hybrid worker: set runtime.placement=colocated too")
-    if cfg.rollout.backend != "vllm":
-        _fail("rollout.backend", cfg.rollout.backend,
-              "co-located hybrid workers run vLLM in-process: use rollout.backend=vllm")
-    if cfg.rollout.num_replicas != cfg.learner.world_size:
-        _fail("rollout.num_replicas", cfg.rollout.num_replicas,
-              f"must equal learner.world_size={cfg.learner.world_size} with "
-              "weight_bus.backend=colocated (each hybrid worker holds one rank and one engine)")
 
 
 def _check_mode(cfg: Config) -> None:
@@ -859,82 +964,69 @@ def _check_mode(cfg: Config) -> None:
               f"versions old, past the staleness bound {eta}, so no group could ever be taken")
 
 
-def _check_reward(cfg: Config) -> None:
-    """``reward.kind`` (one kind or a list, no repeats), one finite weight per kind, and the
-    keys each kind needs."""
-    r = cfg.reward
-    kinds = r.kinds
-    if not kinds or len(set(kinds)) != len(kinds):
-        _fail("reward.kind", r.kind, f"must be one of {list(REWARD_KINDS)} or a list of "
-              "different ones, e.g. [rule,model]")
-    for kind in kinds:
-        _check_choice("reward.kind", kind, REWARD_KINDS)
-    if r.weights and len(r.weights) != len(kinds):
-        _fail("reward.weights", r.weights, f"needs one weight per reward.kind {list(kinds)}")
-    if not all(math.isfinite(w) for w in r.weights):
-        _fail("reward.weights", r.weights, "must be finite numbers")
-    if (r.name == "custom" or "custom" in kinds) and not r.custom_path:
-        _fail("reward.custom_path", r.custom_path, "is required with reward.name=custom or "
-              "reward.kind=custom")
-    if r.name == "custom" and {"rule", "custom"} <= set(kinds):
-        _fail("reward.name", r.name, "with reward.kind=[rule,custom] the rule part must be a "
-              "built-in scorer: set reward.name=auto (or a scorer name)")
-    if "model" in kinds:
-        if not r.model.path:
-            _fail("reward.model.path", r.model.path, "is required with reward.kind=model")
-        _check_positive(cfg, ["reward.model.micro_batch_size", "reward.model.max_length",
-                              "reward.model.timeout_s"])
-        _check_positive(cfg, ["reward.model.batch_wait_s", "reward.model.num_cpus",
-                              "reward.model.num_gpus"], allow_zero=True)
-        _check_choice("reward.model.dtype", r.model.dtype, DTYPES)
-        _check_choice("reward.model.device", r.model.device, ("auto", "cpu", "cuda"))
-    if "judge" in kinds:
-        if not r.judge.model_path:
-            _fail("reward.judge.model_path", r.judge.model_path,
-                  "is required with reward.kind=judge")
-        _check_choice("reward.judge.backend", r.judge.backend, ("vllm", "hf"))
-        if "{response}" not in r.judge.prompt_template:
-            _fail("reward.judge.prompt_template", r.judge.prompt_template,
-                  "must contain {response} (and usually {prompt}, {ground_truth})")
-        _check_positive(cfg, ["reward.judge.max_new_tokens", "reward.judge.max_model_len",
-                              "reward.judge.max_concurrency", "reward.judge.timeout_s"])
-        _check_positive(cfg, ["reward.judge.temperature", "reward.judge.num_cpus",
-                              "reward.judge.num_gpus"], allow_zero=True)
-        _check_choice("reward.judge.dtype", r.judge.dtype, DTYPES)
-        if not 0.0 < r.judge.gpu_memory_utilization <= 1.0:
-            _fail("reward.judge.gpu_memory_utilization", r.judge.gpu_memory_utilization,
-                  "must be in (0, 1]")
-
-
-def _check_remax(cfg: Config) -> None:
-    """ReMax's baseline is a greedy response the replica samples with each group."""
-    r = cfg.rollout
-    if cfg.algorithm.adv_estimator == "remax" and not r.greedy_baseline:
+def _check_estimator(cfg: Config) -> None:
+    """What the advantage estimator needs from the rollout: a group baseline, two samples or
+    more; ReMax's baseline, a greedy response the replica samples with each group."""
+    estimator = cfg.algorithm.adv_estimator
+    if estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        _fail("rollout.n", cfg.rollout.n, f"must be >= 2 with algorithm.adv_estimator="
+              f"{estimator!r} (a group baseline needs at least two samples)")
+    if estimator == "remax" and not cfg.rollout.greedy_baseline:
         _fail("algorithm.adv_estimator", "remax", "needs rollout.greedy_baseline=true (the "
               "greedy response's reward is the baseline; algorithm=remax sets both)")
-    if r.greedy_baseline and r.agent is not None:
-        _fail("rollout.greedy_baseline", True, f"is for single-turn groups, not agent episodes "
-              f"(rollout.agent={r.agent!r})")
 
 
-def _check_dapo(cfg: Config) -> None:
-    """Dynamic sampling needs groups that can differ; the overlong zone must fit the budget
-    the penalty counts against (max_episode_tokens for agent episodes)."""
-    r = cfg.rollout
-    if r.filter_groups and r.n < 2:
-        _fail("rollout.n", r.n, "must be >= 2 with rollout.filter_groups=true (a group of one "
-              "always has equal rewards, so every group would be filtered)")
-    ob = r.overlong_buffer
-    if not ob.enable:
+def _check_batch_sizes(cfg: Config) -> None:
+    """A set mini- or micro-batch size must fit the batch it splits (unset ones derive from it:
+    ``Config.mini_batch_groups`` / ``micro_batch_groups``)."""
+    micro = cfg.actor.ppo_micro_batch_size
+    mini = cfg.mini_batch_groups
+    if cfg.task.train_batch_size % mini:
+        _fail("actor.ppo_mini_batch_size", mini,
+              f"must divide task.train_batch_size={cfg.task.train_batch_size} (or leave it "
+              "unset: one optimizer step per batch)")
+    if micro is not None and micro > mini:
+        _fail("actor.ppo_micro_batch_size", micro,
+              f"is larger than the mini-batch's {mini} groups (actor.ppo_mini_batch_size)")
+    if mini % cfg.learner.world_size:
+        _fail("actor.ppo_mini_batch_size", mini,
+              f"must be divisible by learner.world_size={cfg.learner.world_size}")
+
+
+def _check_lengths(cfg: Config) -> None:
+    """The longest sequence, first prompt + response budget, fits the learner's packed
+    micro-batch and the engine's context; with an agent, its longest episode too."""
+    budget_key = "rollout.max_new_tokens"
+    if cfg.task.long_tail and cfg.task.long_tail_tokens > cfg.rollout.max_new_tokens:
+        budget_key = "task.long_tail_tokens"  # the toy task's long answers
+    longest = [("sequence", budget_key)]
+    if cfg.rollout.agent:
+        longest.append(("episode", "rollout.max_episode_tokens"))
+    for what, key in longest:
+        tokens = cfg.task.max_prompt_length + _lookup(cfg, key)
+        if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < tokens:
+            _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
+                  f"is below the longest {what} task.max_prompt_length + {key} = {tokens}")
+        if tokens > cfg.rollout.max_model_len:
+            _fail("rollout.max_model_len", cfg.rollout.max_model_len,
+                  f"is below task.max_prompt_length + {key} = {tokens}")
+
+
+def _check_colocated(cfg: Config) -> None:
+    """The hybrid worker (runtime/hybrid.py): one learner rank and one in-process vLLM engine
+    per bundle, so one replica per rank."""
+    if cfg.weight_bus.backend != "colocated":
         return
-    budget_key = "rollout.max_episode_tokens" if r.agent else "rollout.max_new_tokens"
-    budget = _lookup(cfg, budget_key)
-    if not 0 < ob.len <= budget:
-        _fail("rollout.overlong_buffer.len", ob.len,
-              f"must be in (0, {budget_key}={budget}] with rollout.overlong_buffer.enable=true")
-    if not (ob.penalty_factor >= 0 and math.isfinite(ob.penalty_factor)):
-        _fail("rollout.overlong_buffer.penalty_factor", ob.penalty_factor,
-              "must be a finite number >= 0")
+    if cfg.runtime.placement != "colocated":
+        _fail("weight_bus.backend", "colocated",
+              "swaps weights inside a hybrid worker: set runtime.placement=colocated too")
+    if cfg.rollout.backend != "vllm":
+        _fail("rollout.backend", cfg.rollout.backend,
+              "co-located hybrid workers run vLLM in-process: use rollout.backend=vllm")
+    if cfg.rollout.num_replicas != cfg.learner.world_size:
+        _fail("rollout.num_replicas", cfg.rollout.num_replicas,
+              f"must equal learner.world_size={cfg.learner.world_size} with "
+              "weight_bus.backend=colocated (each hybrid worker holds one rank and one engine)")
 
 
 def with_mode(cfg: Config, mode: str, max_staleness: int | None = None) -> Config:
@@ -951,35 +1043,6 @@ def with_mode(cfg: Config, mode: str, max_staleness: int | None = None) -> Confi
                           f"trainer.mode={mode!r}, whose staleness bound is {eta}")
     return replace(cfg, **{"trainer.mode": mode, "buffer.max_staleness": eta,
                            "weight_bus.update_policy": preset.update_policies[0]})
-
-
-def _check_agent(cfg: Config) -> None:
-    """The agent keys: a loadable-looking ``rollout.agent``, its budgets and tools, and room for
-    the longest episode (first prompt + ``rollout.max_episode_tokens``) in the learner's token
-    budget and the engine's context."""
-    from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
-
-    r = cfg.rollout
-    if r.agent is None:
-        if r.tools:
-            _fail("rollout.tools", r.tools, "needs rollout.agent (tools serve an environment)")
-        return
-    if r.agent not in BUILTIN_ENVS and ":" not in r.agent:
-        _fail("rollout.agent", r.agent,
-              f"must be a built-in environment {sorted(BUILTIN_ENVS)} or 'module:Class'")
-    for tool in r.tools:
-        if ":" not in tool:
-            _fail("rollout.tools", tool, "must be 'module:function' or 'file.py:function'")
-    _check_positive(cfg, ["rollout.max_turns", "rollout.max_episode_tokens",
-                          "rollout.tool_timeout_s"])
-    longest = cfg.task.max_prompt_length + r.max_episode_tokens
-    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < longest:
-        _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
-              f"is below the longest episode task.max_prompt_length + rollout.max_episode_tokens"
-              f" = {longest}")
-    if longest > r.max_model_len:
-        _fail("rollout.max_model_len", r.max_model_len,
-              f"is below task.max_prompt_length + rollout.max_episode_tokens = {longest}")
 
 
 def register_configs() -> None:
@@ -1110,8 +1173,8 @@ def _field(key: str) -> tuple[Any, dataclasses.Field] | None:
     return (obj, fields[name]) if name in fields else None
 
 
-def _all_keys(obj: Any = None, prefix: str = "") -> list[str]:
-    obj = Config() if obj is None else obj
+def _all_keys(obj: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of the config dataclass ``obj``."""
     keys = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -1132,7 +1195,7 @@ def _check_keys(overrides: list[str], config_dir: Path) -> dict[str, str]:
         values[key] = value
         if key in groups or key.startswith("hydra.") or _field(key) is not None:
             continue
-        close = difflib.get_close_matches(key, _all_keys(), n=1)
+        close = difflib.get_close_matches(key, _all_keys(Config()), n=1)
         hint = f"did you mean {close[0]}?" if close else "`streamrl config` prints every key"
         raise ConfigError(f"{key}={value!r}: no such config key: {hint}")
     return values

@@ -4,7 +4,9 @@ The modes differ only by presets (``config.MODE_PRESETS``): the staleness bound 
 admits and the update policy replicas apply when new weights land; this loop never asks which
 mode it runs. Everything heavy runs behind the runtime's small handles (``streamrl.runtime``):
 ``buffer`` (ReplayBuffer), ``learner`` (FSDP2 ranks), ``weight_bus`` (publish to the rollout
-fleet) and ``fleet`` (continuously running replicas).
+fleet) and ``fleet`` (continuously running replicas). ``StepMetrics`` gathers and writes what
+each step logs, so ``Controller.fit`` reads as the algorithm: take, prepare, advantages, update,
+publish, log.
 Dependencies point down: controller -> runtime -> (buffer, learner, weight_bus, rollout_fleet).
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from streamrl import algos
 from streamrl.batch import Batch
+from streamrl.buffer.base import Admission
 from streamrl.config import Config
 from streamrl.errors import RunStopped
 from streamrl.learner.checkpoint import find_latest
@@ -61,6 +64,61 @@ def with_advantages(batch: Batch, cfg: Config, kl_ctrl: algos.KLController) -> B
     }))
 
 
+class StepMetrics:
+    """What a step logs besides the learner's and the weight bus's own metrics: phase timings,
+    statistics of the groups trained on, throughput and idle ratios (``trained``, which ends the
+    step's clock), then buffer and fleet counters (``log``, which writes the record to the
+    configured sinks and the step's spans to the trace). Keys: docs/metrics.md."""
+
+    def __init__(self, cfg: Config, runtime: Runtime, total_steps: int) -> None:
+        self.rt = runtime
+        self.logger = MetricsLogger(
+            cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name,
+            cfg.trainer.experiment_name, config=dataclasses.asdict(cfg), total_steps=total_steps,
+        )
+        self.trace = (ChromeTrace(Path(cfg.trainer.output_dir) / "trace.json")
+                      if cfg.trainer.trace else None)
+        self.rollout_idle = RolloutIdle()
+        self.began = self.step_began = time.perf_counter()
+        self.timer = Timer()
+
+    def start(self) -> Timer:
+        """Start a step's clock; the timer it returns times the step's phases."""
+        self.timer = Timer()
+        self.step_began = time.perf_counter()
+        return self.timer
+
+    def trained(self, groups: list[Group], batch: Batch, version: int) -> dict[str, float]:
+        """The step's own statistics once the learner reached ``version`` (validation and
+        checkpoints come after, outside the step's time)."""
+        metrics = {**rollout_metrics(groups, version - 1), **self.timer.durations}
+        step_s = metrics["timing_s/step"] = time.perf_counter() - self.step_began
+        metrics["perf/throughput"] = int(batch["attention_mask"].sum()) / step_s
+        metrics["trainer/idle_ratio"] = metrics["timing_s/take"] / step_s
+        metrics["time/elapsed_s"] = time.perf_counter() - self.began
+        return metrics
+
+    def log(self, metrics: dict[str, float], version: int) -> dict[str, float]:
+        """``metrics`` with the buffer's and the fleet's counters, written out; returns them."""
+        rt = self.rt
+        record = {**metrics, **{f"buffer/{k}": float(v)
+                                for k, v in dataclasses.asdict(rt.buffer.stats()).items()}}
+        fleet = rt.fleet.metrics()
+        record.update(fleet, **self.rollout_idle(fleet))
+        self.logger.log(record, step=version)
+        if self.trace is not None:
+            self.trace.add("learner", "learner", self.timer.spans)
+            for replica, spans in rt.fleet.trace_spans().items():
+                self.trace.add("rollout", replica, spans)
+            self.trace.step_done()
+        return record
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.trace is not None:
+            self.trace.write()
+
+
 class Controller:
     """Drives ``total_steps`` PPO/GRPO updates over a started runtime."""
 
@@ -84,25 +142,15 @@ class Controller:
 
     def fit(self) -> TrainResult:
         cfg, rt = self.cfg, self.rt
-        groups_per_step = cfg.task.train_batch_size
         version = self._resume()
-        logger = MetricsLogger(
-            cfg.trainer.logger, cfg.trainer.output_dir, cfg.trainer.project_name,
-            cfg.trainer.experiment_name, config=dataclasses.asdict(cfg),
-            total_steps=self.total_steps,
-        )
-        trace = (ChromeTrace(Path(cfg.trainer.output_dir) / "trace.json")
-                 if cfg.trainer.trace else None)
-        rollout_idle = RolloutIdle()
         result = TrainResult(steps=version)
-        began = time.perf_counter()
+        steps = StepMetrics(cfg, rt, self.total_steps)
         rt.fleet.start()
         try:
             while version < self.total_steps:
-                timer = Timer()
-                start = time.perf_counter()
+                timer = steps.start()
                 with timer("take"):
-                    groups = self._take(groups_per_step, version)
+                    groups = self._take(cfg.task.train_batch_size, version)
                 if groups is None:  # stop() was called
                     break
                 batch = Batch.from_groups(groups, rt.pad_token_id)
@@ -117,39 +165,19 @@ class Controller:
                         metrics.update(self.weight_bus.publish(version))
                 rt.buffer.set_version(version)
                 self._consume([g.group_id for g in groups])
-                metrics.update(rollout_metrics(groups, version - 1), **timer.durations)
-                step_s = metrics["timing_s/step"] = time.perf_counter() - start
-                metrics["perf/throughput"] = int(batch["attention_mask"].sum()) / step_s
-                metrics["trainer/idle_ratio"] = metrics["timing_s/take"] / step_s
-                metrics["time/elapsed_s"] = time.perf_counter() - began
+                metrics.update(steps.trained(groups, batch, version))
                 metrics.update(self._maybe_validate(version))
-                ckpt = self._maybe_checkpoint(version)
-                result.checkpoint = ckpt or result.checkpoint
-                metrics.update({f"buffer/{k}": float(v) for k, v in
-                                dataclasses.asdict(rt.buffer.stats()).items()})
-                fleet = rt.fleet.metrics()
-                metrics.update(fleet, **rollout_idle(fleet))
-                logger.log(metrics, step=version)
-                if trace is not None:
-                    self._trace(trace, timer)
-                result.history.append({"step": version, **metrics})
+                result.checkpoint = self._maybe_checkpoint(version) or result.checkpoint
+                result.history.append({"step": version, **steps.log(metrics, version)})
                 result.steps = version
         finally:
             rt.fleet.stop()
-            logger.close()
-            if trace is not None:
-                trace.write()
+            steps.close()
         return result
 
     def stop(self) -> None:
         """Make ``fit`` return after the current step (called from another thread)."""
         self._stop.set()
-
-    def _trace(self, trace: ChromeTrace, timer: Timer) -> None:
-        trace.add("learner", "learner", timer.spans)
-        for replica, spans in self.rt.fleet.trace_spans().items():
-            trace.add("rollout", replica, spans)
-        trace.step_done()
 
     def _take(self, n: int, version: int) -> list[Group] | None:
         """``buffer.take`` in short slices, so ``stop`` and a fleet that cannot go on (a replica
@@ -174,9 +202,9 @@ class Controller:
 
     def _why_no_groups(self, n: int) -> str:
         s = self.rt.buffer.stats()
-        facts = (f"{s.queued} queued, {s.in_flight} in flight, {s.started} of "
-                 f"{(s.learner_version + self.cfg.buffer.max_staleness + 1) * n} admission slots "
-                 f"held; {self.rt.fleet.status()}")
+        slots = Admission(n, self.cfg.buffer.max_staleness).capacity(s.learner_version)
+        facts = (f"{s.queued} queued, {s.in_flight} in flight, {s.started} of {slots} admission "
+                 f"slots held; {self.rt.fleet.status()}")
         if not self.rt.fleet.members:
             return f"{facts}; no replica of this run produces (streamrl serve clients idle?)"
         filtered = (self.rt.fleet.metrics().get("replica/groups_filtered", 0.0)

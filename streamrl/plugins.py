@@ -5,6 +5,8 @@ before it runs, as ``import`` does, so dataclasses in it work; a file that fails
 unregistered again); ``import_module(name, what)`` imports by dotted name. ``what`` names the
 config key and value: code that does not import (no such file or module, a syntax error, an
 exception while it runs) is one ``ConfigError`` naming ``what``, the error and its line.
+``AGENT_ENVS`` names the built-in agent environments ``rollout.agent`` takes besides
+``module:Class``, and ``agent_env_spec(name)`` gives the ``module:Class`` a name stands for.
 Depends only on ``streamrl.errors``.
 """
 
@@ -19,6 +21,19 @@ from pathlib import Path
 from types import ModuleType
 
 from streamrl.errors import ConfigError
+
+AGENT_ENVS: dict[str, str] = {
+    "relay": "streamrl.rollout_fleet.agent.envs.relay:RelayEnv",
+    "calculator": "streamrl.rollout_fleet.agent.envs.calculator:CalculatorEnv",
+    "reasoning_gym": "streamrl.rollout_fleet.agent.envs.rgym:ReasoningGymEnv",
+}
+"""Built-in agent environments by name (rollout_fleet/agent/envs/ describes them). Import paths,
+not classes, so that config validation checks a name without importing the rollout fleet."""
+
+
+def agent_env_spec(name: str) -> str:
+    """The ``module:Class`` that ``rollout.agent=name`` loads: a built-in's, or ``name`` itself."""
+    return AGENT_ENVS.get(name, name)
 
 
 def import_file(path: str | Path, what: str) -> ModuleType:

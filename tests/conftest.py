@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
@@ -37,3 +39,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in missing.items():
             if reason and item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    # AsyncLLM binds its output handler to one event loop: every call of a module shares it.
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,13 @@ def test_replicas_step_vllm_in_process_where_rollout_overlaps_learning(
 
     expected = not torch.cuda.is_available() if in_process is None else in_process
     assert engine_in_process(load_config(overrides)) is expected
+
+
+@pytest.mark.parametrize(("mode", "sync"), [
+    ("sync", True), ("one_step_off", False), ("fully_async", False),
+])
+def test_only_sync_mode_is_sync(mode: str, sync: bool) -> None:
+    assert load_config([f"trainer.mode={mode}"]).is_sync is sync
 
 
 def test_fully_async_takes_its_bound_and_policy_from_the_user() -> None:
@@ -281,6 +290,37 @@ def test_validate_names_key_and_value(changes: dict, pattern: str) -> None:
 
 def test_valid_default_dataclass_passes() -> None:
     assert validate(Config()) == Config()
+
+
+def test_config_imports_neither_torch_nor_the_rollout_fleet() -> None:
+    """Config sits below the components: importing it stays light, and checking names (agent
+    environments included) reads registries, never the fleet (``algos``' registries need
+    torch, so validation may import that)."""
+    code = """if True:
+        import sys
+        import streamrl.config as c
+        fleet = lambda: any(m.startswith("streamrl.rollout_fleet") for m in sys.modules)
+        print("torch" in sys.modules, fleet())
+        agent = {"rollout.agent": "relay", "rollout.max_model_len": 1024}
+        c.validate(c.replace(c.Config(), **agent))
+        print(fleet())
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize(("agent", "ok"), [
+    ("relay", True), ("calculator", True), ("my_pkg.envs:MyEnv", True), ("envs.py:MyEnv", True),
+    ("nosuchenv", False),
+])
+def test_agent_names_a_builtin_environment_or_an_import_path(agent: str, ok: bool) -> None:
+    cfg = replace(Config(), **{"rollout.agent": agent, "rollout.max_model_len": 1024})
+    if ok:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=r"rollout.agent='nosuchenv': must be a built-in "
+                           r"environment \['calculator', 'reasoning_gym', 'relay'\]"):
+            validate(cfg)
 
 
 def test_loss_aggregation_and_rollout_correction_overrides_compose() -> None:

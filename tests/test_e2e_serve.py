@@ -14,9 +14,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,8 @@ import httpx
 import pytest
 
 from streamrl.net import free_port
+from tests.support.processes import process
+from tests.support.processes import wait_for as support_wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -33,37 +33,12 @@ TRAIN = ["runtime.num_cpus=2", "trainer.logger=[jsonl]", "actor.optim.lr=3e-3",
          "task.train_batch_size=16", "actor.ppo_mini_batch_size=4"]
 
 
-@contextmanager
-def process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A streamrl command in its own process group, killed with the group at the end."""
-    with log.open("ab") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def streamrl(*args: str) -> list[str]:
     return [sys.executable, "-m", "streamrl.cli", *args]
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-            raise TimeoutError(f"{what} within {timeout} s; log tail:\n{tail}")
-        time.sleep(0.5)
+    return support_wait_for(predicate, timeout, what, log, transient=(httpx.HTTPError,))
 
 
 def version_served(url: str) -> int:

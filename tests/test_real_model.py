@@ -29,6 +29,7 @@ from streamrl.data import ListPromptSource, Prompt, PromptStream, make_prompt_so
 from streamrl.rollout_fleet.agent import ChatRenderer
 from streamrl.rollout_fleet.agent.envs.relay import RelayEnv
 from streamrl.rollout_fleet.replica import Replica
+from streamrl.types import Group
 from tests.support.rollout import ListBuffer, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -52,11 +53,19 @@ def tokenizer(smollm2_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+def one_group(loop: asyncio.AbstractEventLoop, engine: Any, stream: PromptStream, tokenizer: Any,
+              rollout: RolloutConfig) -> list[Group]:
+    """The groups the real replica loop puts until it has one, on the real engine."""
+    buffer = ListBuffer(capacity=1)
+    replica = Replica(engine, buffer, stream, ZeroScorer(), tokenizer, rollout)
+
+    async def scenario() -> None:
+        replica.start()
+        await wait_until(lambda: len(buffer.groups) == 1, what="1 group", timeout=300)
+        await replica.stop()
+
+    loop.run_until_complete(scenario())
+    return buffer.groups
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +116,9 @@ def test_a_finished_response_ends_with_im_end_and_is_trained(engine: Any, loop: 
     stream = PromptStream(ListPromptSource([prompt]), shuffle=False, seed=0)
     rollout = load_config(["model=smollm2-135m", "rollout.n=4", "rollout.max_new_tokens=48",
                            "rollout.max_inflight_groups=1"]).rollout
-    buffer = ListBuffer(capacity=1)
-    replica = Replica(engine, buffer, stream, ZeroScorer(), tokenizer, rollout)
-
-    async def scenario() -> None:
-        replica.start()
-        await wait_until(lambda: len(buffer.groups) == 1, what="1 group", timeout=300)
-        await replica.stop()
-
-    loop.run_until_complete(scenario())
+    (group,) = one_group(loop, engine, stream, tokenizer, rollout)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token_id == im_end
-    (group,) = buffer.groups
     finished = [t for t in group.trajectories if t.finish_reason == "stop"]
     assert finished, [tokenizer.decode(t.response_ids) for t in group.trajectories]
     batch = Batch.from_groups([group], pad_token_id=tokenizer.pad_token_id)
@@ -169,19 +169,10 @@ def test_an_agent_episode_on_the_real_template(engine: Any, loop: Any, tokenizer
 
     rollout = RolloutConfig(agent="relay", n=2, max_new_tokens=24, max_turns=2,
                             max_episode_tokens=160, max_inflight_groups=1, max_model_len=1024)
-    buffer = ListBuffer(capacity=1)
     stream = PromptStream(load_toy_source("rep", 4, seed=0, tokenizer=tokenizer), False, seed=0)
-    replica = Replica(engine, buffer, stream, ZeroScorer(), tokenizer, rollout)
-
-    async def scenario() -> None:
-        replica.start()
-        await wait_until(lambda: len(buffer.groups) == 1, what="1 group", timeout=300)
-        await replica.stop()
-
-    loop.run_until_complete(scenario())
+    (group,) = one_group(loop, engine, stream, tokenizer, rollout)
     renderer = ChatRenderer(tokenizer)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    (group,) = buffer.groups
     for t in group.trajectories:
         starts = t.extra["episode"]["turn_starts"]
         assert len(starts) == 2

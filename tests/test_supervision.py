@@ -12,18 +12,19 @@ same way at once.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from tests.support.processes import process, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -36,29 +37,11 @@ def steps_logged(metrics: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout} s; log tail:\n"
-                               f"{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.2)
-    return value
-
-
 @contextmanager
 def train_process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``streamrl train args`` in a session of its own, its output in ``log``; killed with all
-    its processes if still running when the block ends."""
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "streamrl.cli", "train", *args],
-                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    """``streamrl train args`` in a session of its own, its output in ``log``."""
+    with process([sys.executable, "-m", "streamrl.cli", "train", *args], log) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def kill_and_wait(proc: subprocess.Popen[bytes], victim: psutil.Process) -> tuple[int, float]:

@@ -1,22 +1,31 @@
 """streamrl.buffer: the staleness-bounded replay buffer (DESIGN.md §2, §7).
 
-``base`` holds the protocol and the bound (``Admission``); ``memory`` and ``redis`` are the two
-backends; ``make_buffer(cfg)`` builds this process's buffer from ``buffer.backend``; ``remote``
-shares a memory buffer across processes (a Ray actor). The Redis backend (and the redis
-client) is imported only when chosen.
+``base`` holds the protocol and the bound (``Admission``): ``BufferProducer`` (the side
+replicas and ``streamrl serve`` use), ``BufferConsumer`` (the driver's side) and
+``ReplayBuffer`` (both); ``memory`` and ``redis`` (a package) are the two backends;
+``make_buffer(cfg)`` builds this process's buffer from ``buffer.backend``; ``remote`` shares a
+memory buffer across processes (a Ray actor). The Redis backend (and the redis client) is
+imported only when chosen.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from streamrl.buffer.base import Admission, BufferStats, ReplayBuffer
+from streamrl.buffer.base import (
+    Admission,
+    BufferConsumer,
+    BufferProducer,
+    BufferStats,
+    ReplayBuffer,
+)
 from streamrl.buffer.memory import MemoryBuffer
 
 if TYPE_CHECKING:
     from streamrl.config import Config
 
-__all__ = ["Admission", "BufferStats", "MemoryBuffer", "ReplayBuffer", "make_buffer"]
+__all__ = ["Admission", "BufferConsumer", "BufferProducer", "BufferStats", "MemoryBuffer",
+           "ReplayBuffer", "make_buffer"]
 
 BACKENDS = ("memory", "redis")
 

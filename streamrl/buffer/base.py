@@ -2,9 +2,13 @@
 
 Parts: ``Admission`` (the one named place of the staleness bound, pure arithmetic over the
 learner version), ``newer_than_learner`` (its other side: no negative staleness),
-``BufferStats``, ``ReplayBuffer`` (the protocol replicas and the controller use), and
+``BufferStats``, the protocol in two sides: ``BufferProducer`` (what replicas and
+``streamrl serve`` call: admit, put, cancel) and ``BufferConsumer`` (what the driver calls: take,
+ack, set_version, rebase, release, stats), ``ReplayBuffer`` (both: what a backend implements),
+``HeldBuffer`` (a producer bound to one holder), ``expect_group`` (what every put checks) and
 ``PerLoop`` (the per-event-loop senders of backends that batch a loop's calls). Backends:
-``memory.MemoryBuffer`` (in-process) and ``redis.RedisBuffer``.
+``memory.MemoryBuffer`` (in-process), ``remote.RemoteBuffer`` (it, in a Ray actor) and
+``redis.RedisBuffer``.
 
 Let B = groups per training step, eta = max staleness, V = learner version. A replica may
 *start* a group only while ``started < (V + eta + 1) * B``: admission control bounds staleness
@@ -94,6 +98,13 @@ def newer_than_learner(group: Group, newest: int | None, learner_version: int,
             "refused")
 
 
+def expect_group(group: object) -> Group:
+    """``group``, checked before a put records or encodes it."""
+    if not isinstance(group, Group):
+        raise TypeError(f"put: expected a Group, got {type(group).__name__}")
+    return group
+
+
 class Refusals:
     """Counts the groups a buffer refuses and logs them without flooding: a replica that kept
     newer weights refuses group after group until it loads the learner's, so each holder's
@@ -136,8 +147,9 @@ class BufferStats:
     last_update_ts: float = 0.0
 
 
-class ReplayBuffer(abc.ABC):
-    """Groups flow put -> take -> ack; admission decides when a replica may start one."""
+class BufferProducer(abc.ABC):
+    """The producer side, what rollout replicas and ``streamrl serve`` call: claim a slot
+    (admission), then put the group started on it or give the slot back."""
 
     @abc.abstractmethod
     def try_admit(self, holder: str = "") -> bool:
@@ -203,9 +215,10 @@ class ReplayBuffer(abc.ABC):
         """``put_and_admit`` for an event loop; under way when it returns, like ``aput``."""
         return asyncio.ensure_future(asyncio.to_thread(self.put_and_admit, group, holder))
 
-    @abc.abstractmethod
-    def release(self, holder: str) -> int:
-        """Give back every slot ``holder`` still holds (it died); returns how many."""
+
+class BufferConsumer(abc.ABC):
+    """The consumer side, what the driver calls: the controller takes, acks, publishes the
+    learner version and rebases on resume; the supervisor releases a dead replica's slots."""
 
     @abc.abstractmethod
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
@@ -231,14 +244,8 @@ class ReplayBuffer(abc.ABC):
         Versions only move forward (``ValueError`` otherwise); use ``rebase`` to go back.
         """
 
-    @abc.abstractmethod
-    def rebase(
-        self,
-        learner_version: int,
-        consumed: int,
-        skip_ids: Iterable[str] = (),
-        in_flight: int = 0,
-    ) -> None:
+    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
+               in_flight: int = 0) -> None:
         """Restart the counters after restoring a checkpoint taken at ``learner_version``.
 
         ``consumed``: groups trained up to that checkpoint (normally ``learner_version * B``).
@@ -248,6 +255,21 @@ class ReplayBuffer(abc.ABC):
         Afterwards ``started = consumed + queued + in_flight``, so the bound holds and the
         learner can be served.
         """
+        if learner_version < 0 or consumed < 0 or in_flight < 0:
+            raise ValueError(
+                f"rebase: learner_version={learner_version}, consumed={consumed}, "
+                f"in_flight={in_flight} must all be >= 0"
+            )
+        self._rebase(learner_version, consumed, set(skip_ids), in_flight)
+
+    @abc.abstractmethod
+    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str],
+                in_flight: int) -> None:
+        """The backend's ``rebase``, its arguments checked."""
+
+    @abc.abstractmethod
+    def release(self, holder: str) -> int:
+        """Give back every slot ``holder`` still holds (it died); returns how many."""
 
     @abc.abstractmethod
     def stats(self) -> BufferStats: ...
@@ -256,10 +278,15 @@ class ReplayBuffer(abc.ABC):
         """Release connections."""
 
 
-class HeldBuffer(ReplayBuffer):
+class ReplayBuffer(BufferProducer, BufferConsumer):
+    """Both sides of one buffer: what a backend implements and ``make_buffer`` returns.
+    Groups flow put -> take -> ack; admission decides when a replica may start one."""
+
+
+class HeldBuffer(BufferProducer):
     """``buffer`` with every admission, cancel and put made under one holder (a replica)."""
 
-    def __init__(self, buffer: ReplayBuffer, holder: str) -> None:
+    def __init__(self, buffer: BufferProducer, holder: str) -> None:
         self.buffer = buffer
         self.holder = holder
 
@@ -292,28 +319,6 @@ class HeldBuffer(ReplayBuffer):
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
         return self.buffer.aput_and_admit(group, holder or self.holder)
-
-    def release(self, holder: str) -> int:
-        return self.buffer.release(holder)
-
-    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
-        return self.buffer.take(n, learner_version, timeout)
-
-    def ack(self, group_ids: list[str]) -> None:
-        self.buffer.ack(group_ids)
-
-    def set_version(self, learner_version: int) -> None:
-        self.buffer.set_version(learner_version)
-
-    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
-               in_flight: int = 0) -> None:
-        self.buffer.rebase(learner_version, consumed, skip_ids, in_flight)
-
-    def stats(self) -> BufferStats:
-        return self.buffer.stats()
-
-    def close(self) -> None:
-        self.buffer.close()
 
 
 class PerLoop(Generic[T]):

@@ -24,7 +24,6 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from typing import NamedTuple
 
 from streamrl.buffer.base import (
@@ -32,6 +31,7 @@ from streamrl.buffer.base import (
     BufferStats,
     Refusals,
     ReplayBuffer,
+    expect_group,
     newer_than_learner,
 )
 from streamrl.types import Group
@@ -119,8 +119,7 @@ class MemoryBuffer(ReplayBuffer):
         return True
 
     def put(self, group: Group, holder: str = "") -> None:
-        if not isinstance(group, Group):
-            raise TypeError(f"put: expected a Group, got {type(group).__name__}")
+        expect_group(group)
         with self._cond:
             if group.group_id in self._seen:
                 return
@@ -222,19 +221,8 @@ class MemoryBuffer(ReplayBuffer):
             self._touch()
             self._cond.notify_all()
 
-    def rebase(
-        self,
-        learner_version: int,
-        consumed: int,
-        skip_ids: Iterable[str] = (),
-        in_flight: int = 0,
-    ) -> None:
-        if learner_version < 0 or consumed < 0 or in_flight < 0:
-            raise ValueError(
-                f"rebase: learner_version={learner_version}, consumed={consumed}, "
-                f"in_flight={in_flight} must all be >= 0"
-            )
-        skip = set(skip_ids)
+    def _rebase(self, learner_version: int, consumed: int, skip: set[str],
+                in_flight: int) -> None:
         with self._cond:
             # Taken but not acked and not recorded as trained: deliver again.
             self._heap += [e for gid, e in self._taken.items() if gid not in skip]

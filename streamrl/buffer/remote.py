@@ -8,8 +8,10 @@ Replicas ``put`` while the learner blocks in ``take``, so the actor runs methods
 (``max_concurrency``); ``MemoryBuffer``'s lock keeps them atomic. A replica's groups finish in
 bursts, and an actor call costs both processes about a millisecond of CPU, so an event loop's
 ``aput`` / ``aput_and_admit`` calls share actor calls: one is in flight at a time, and those made
-meanwhile go out together in the next (``_Putter``; Redis pipelines its puts likewise). The
-Redis backend needs no actor: every process connects to Redis itself. Depends on base and
+meanwhile go out together in the next (``_Putter``; Redis pipelines its puts likewise). Groups
+cross the process boundary as msgspec bytes (``types.encode``, as Redis stores them), never
+pickled: a put is encoded by its caller and decoded in the actor, a take the other way round.
+The Redis backend needs no actor: every process connects to Redis itself. Depends on base and
 memory.
 """
 
@@ -21,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from streamrl.buffer.base import BufferStats, PerLoop, ReplayBuffer
+from streamrl.buffer.base import BufferStats, PerLoop, ReplayBuffer, expect_group
 from streamrl.buffer.memory import MemoryBuffer
-from streamrl.types import Group
+from streamrl.types import Group, decode, encode
 
 if TYPE_CHECKING:
     from streamrl.config import Config
@@ -31,23 +33,30 @@ if TYPE_CHECKING:
 ACTOR_CONCURRENCY = 64
 PUT_BATCH = 64  # puts per actor call at most
 
-Put = tuple[Group, str, bool]  # (group, holder, claim the holder's next slot)
+Put = tuple[bytes, str, bool]  # (encoded group, holder, claim the holder's next slot)
 
 
 class BufferActor(MemoryBuffer):
-    """The memory backend in a threaded actor (replicas put while the learner takes)."""
+    """The memory backend in a threaded actor (replicas put while the learner takes); its
+    callers' groups come and go encoded (``put_many``, ``take_encoded``)."""
 
     def put_many(self, puts: list[Put]) -> list[bool | Exception | None]:
         """Several ``put`` / ``put_and_admit`` calls in one, in order: each one's result, or
         the error it raised."""
         out: list[bool | Exception | None] = []
-        for group, holder, admit_next in puts:
+        for data, holder, admit_next in puts:
             try:
+                group = decode(data, Group)
                 out.append(self.put_and_admit(group, holder) if admit_next
                            else self.put(group, holder))
             except Exception as exc:
                 out.append(exc)
         return out
+
+    def take_encoded(self, n: int, learner_version: int, timeout: float | None = None
+                     ) -> list[bytes]:
+        """``take``, each group encoded."""
+        return [encode(group) for group in self.take(n, learner_version, timeout)]
 
     def shutdown(self) -> None:
         self.close()
@@ -92,22 +101,29 @@ class RemoteBuffer(ReplayBuffer):
         return self.handle.cancel_admission.remote(holder)  # submitted now, like aput
 
     def put(self, group: Group, holder: str = "") -> None:
-        ray.get(self.handle.put.remote(group, holder))
+        self._put_now(group, holder, admit_next=False)
 
     def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
-        return self._putters.get().submit((group, holder, False))
+        return self._putters.get().submit(group, holder, admit_next=False)
 
     def put_and_admit(self, group: Group, holder: str = "") -> bool:
-        return bool(ray.get(self.handle.put_and_admit.remote(group, holder)))
+        return bool(self._put_now(group, holder, admit_next=True))
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
-        return self._putters.get().submit((group, holder, True))
+        return self._putters.get().submit(group, holder, admit_next=True)
+
+    def _put_now(self, group: Group, holder: str, admit_next: bool) -> bool | None:
+        (result,) = ray.get(self.handle.put_many.remote([_put(group, holder, admit_next)]))
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def release(self, holder: str) -> int:
         return int(ray.get(self.handle.release.remote(holder)))
 
     def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
-        return list(ray.get(self.handle.take.remote(n, learner_version, timeout)))
+        return [decode(data, Group)
+                for data in ray.get(self.handle.take_encoded.remote(n, learner_version, timeout))]
 
     def ack(self, group_ids: list[str]) -> None:
         ray.get(self.handle.ack.remote(group_ids))
@@ -115,12 +131,17 @@ class RemoteBuffer(ReplayBuffer):
     def set_version(self, learner_version: int) -> None:
         ray.get(self.handle.set_version.remote(learner_version))
 
-    def rebase(self, learner_version: int, consumed: int, skip_ids: Any = (),
-               in_flight: int = 0) -> None:
+    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str],
+                in_flight: int) -> None:
         ray.get(self.handle.rebase.remote(learner_version, consumed, list(skip_ids), in_flight))
 
     def stats(self) -> BufferStats:
         return ray.get(self.handle.stats.remote())
+
+
+def _put(group: Group, holder: str, admit_next: bool) -> Put:
+    """One put as it crosses to the actor (a TypeError for anything but a Group)."""
+    return encode(expect_group(group)), holder, admit_next
 
 
 class _Putter:
@@ -134,8 +155,13 @@ class _Putter:
         self.queue: list[tuple[Put, asyncio.Future[Any]]] = []
         self.task: asyncio.Task[None] | None = None  # sends until the queue is empty
 
-    def submit(self, put: Put) -> asyncio.Future[Any]:
+    def submit(self, group: Group, holder: str, admit_next: bool) -> asyncio.Future[Any]:
         future = self.loop.create_future()
+        try:
+            put = _put(group, holder, admit_next)
+        except Exception as exc:  # this put's own error: it never travels
+            future.set_exception(exc)
+            return future
         self.queue.append((put, future))
         if self.task is None:
             self.task = self.loop.create_task(self._send())

@@ -23,6 +23,7 @@ update_loop.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -48,35 +49,20 @@ Planner = Callable[[Batch], Plan]
 
 
 def policy_loss_config(cfg: Config) -> algos.PolicyLossConfig:
-    """cfg.actor -> algos.PolicyLossConfig; recompute_log_prob=False is bypass mode, and
-    Dr. GRPO's horizon defaults to the response budget."""
+    """cfg.actor -> algos.PolicyLossConfig, the one place they meet: every field is the actor
+    key of its name (a field without one fails here, and in the tests), except loss_mode
+    (actor.policy_loss), bypass (actor.recompute_log_prob=false) and Dr. GRPO's horizon, which
+    defaults to the response budget."""
     actor = cfg.actor
-    return algos.PolicyLossConfig(
-        loss_mode=actor.policy_loss,
-        clip_ratio=actor.clip_ratio,
-        clip_ratio_low=actor.clip_ratio_low,
-        clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c,
-        gspo_clip_ratio_low=actor.gspo_clip_ratio_low,
-        gspo_clip_ratio_high=actor.gspo_clip_ratio_high,
-        cispo_clip_ratio_low=actor.cispo_clip_ratio_low,
-        cispo_clip_ratio_high=actor.cispo_clip_ratio_high,
-        decoupled_weight_cap=actor.decoupled_weight_cap,
-        loss_agg_mode=actor.loss_agg_mode,
-        loss_scale_factor=(cfg.response_budget if actor.loss_scale_factor is None
-                           else actor.loss_scale_factor),
-        bypass=not actor.recompute_log_prob,
-        tis_cap=actor.tis_cap,
-        rollout_is_level=actor.rollout_is_level,
-        rollout_is_batch_normalize=actor.rollout_is_batch_normalize,
-        icepop_low=actor.icepop_low,
-        icepop_high=actor.icepop_high,
-        icepop_level=actor.icepop_level,
-        rejection_low=actor.rejection_low,
-        rejection_high=actor.rejection_high,
-        rollout_rs=actor.rollout_rs,
-        rollout_rs_threshold=actor.rollout_rs_threshold,
-    )
+    derived = {
+        "loss_mode": actor.policy_loss,
+        "bypass": not actor.recompute_log_prob,
+        "loss_scale_factor": (cfg.response_budget if actor.loss_scale_factor is None
+                              else actor.loss_scale_factor),
+    }
+    same = {f.name: getattr(actor, f.name) for f in dataclasses.fields(algos.PolicyLossConfig)
+            if f.name not in derived}
+    return algos.PolicyLossConfig(**same, **derived)
 
 
 def sampling_of(cfg: Config) -> dict[str, Any]:

@@ -15,13 +15,13 @@ computes its own rows and the collectives make the results whole again:
 - ``save_checkpoint(step, extra)`` / ``load_checkpoint(path)``: atomic DCP checkpoints under
   ``cfg.trainer.output_dir`` (see checkpoint.py); ``export_hf(dir)``: HF weights on rank 0.
 - ``version``: completed updates (restored by ``load_checkpoint``).
-Dependencies: config, batch, testing (model path) and the learner modules.
+Dependencies: config, batch, models (model path), weight_bus.base (its iterator type) and the
+learner modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -189,10 +189,6 @@ class LearnerWorker:
     def export_hf(self, out_dir: str) -> str | None:
         out = ckpt.export_hf(self.actor.model, out_dir, self.model_path)
         return str(out) if out is not None else None
-
-    def latest_checkpoint(self) -> str | None:
-        found = ckpt.find_latest(Path(self.cfg.trainer.output_dir))
-        return str(found) if found else None
 
     def shutdown(self) -> None:
         """Leave the process group if this worker created it."""

@@ -81,9 +81,9 @@ def load_user_code(cfg: Config) -> None:
     if reward.custom_path is not None and ScorerSpec(reward.name, reward.custom_path).uses_custom:
         load_custom_function(reward.custom_path, reward.custom_name)
     if cfg.rollout.agent is not None:
+        from streamrl.plugins import agent_env_spec
         from streamrl.rollout_fleet.agent import load_object
-        from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
 
-        load_object(BUILTIN_ENVS.get(cfg.rollout.agent, cfg.rollout.agent), "rollout.agent")
+        load_object(agent_env_spec(cfg.rollout.agent), "rollout.agent")
         for spec in cfg.rollout.tools:
             load_object(spec, "rollout.tools")

@@ -83,7 +83,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import BufferProducer
 from streamrl.config import UPDATE_POLICIES, RolloutConfig
 from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
@@ -217,7 +217,7 @@ class Replica:
     def __init__(
         self,
         engine: RolloutEngine,
-        buffer: ReplayBuffer | None,
+        buffer: BufferProducer | None,
         prompts: PromptSupply,
         scorer: Scorer,
         tokenizer: Any,

@@ -30,7 +30,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from streamrl.buffer import make_buffer
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import BufferProducer, ReplayBuffer
 from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
 from streamrl.config import Config, replace
 from streamrl.errors import ConfigError, RunStopped
@@ -140,7 +140,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             ray.shutdown()
 
 
-def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: ReplayBuffer,
+def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: BufferProducer,
                          reward_servers: dict[str, Any], train_pg: PlacementGroup | None,
                          rollout_pg: PlacementGroup | None, actors: list[Any]
                          ) -> tuple[LearnerGroup | None, Spawn, Fleet]:

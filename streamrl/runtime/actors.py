@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from streamrl.buffer.base import HeldBuffer, ReplayBuffer
+from streamrl.buffer.base import BufferProducer, HeldBuffer
 from streamrl.config import Config
 from streamrl.net import free_port, interface_of, node_host
 from streamrl.runtime.placement import (
@@ -161,7 +161,7 @@ class LearnerActor:
 class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
-    def __init__(self, cfg: Config, index: int, buffer: ReplayBuffer | None,
+    def __init__(self, cfg: Config, index: int, buffer: BufferProducer | None,
                  bus_endpoint: str | None, holder: str | None = None,
                  reward_servers: dict[str, Any] | None = None) -> None:
         """``buffer``: None for a replica that only answers requests (``streamrl serve``).
@@ -192,7 +192,7 @@ class ReplicaActor:
             pin_role(cfg, "replica", self.index)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or self.model_path)
         self.engine = self._make_engine()  # its engine thread or process keeps this core
-        if pins_cpus(cfg) and cfg.buffer.max_staleness == 0:
+        if pins_cpus(cfg) and cfg.is_sync:
             # Sync: the learner's cores idle while the replica samples, so its client side
             # (request streams, detokenising, rewards) runs there too: ~15% shorter rollouts.
             # Where rollout and learning overlap, it stays off the learner's core, whose

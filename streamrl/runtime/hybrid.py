@@ -36,7 +36,7 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup
 
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import BufferProducer
 from streamrl.config import Config, replace
 from streamrl.runtime.actors import LearnerActor, ReplicaActor
 from streamrl.runtime.placement import gpus_per, in_bundle, pin_to_core, pins_cpus
@@ -52,7 +52,7 @@ def threads_per_role(cfg: Config) -> tuple[int, int]:
     """(learner, engine) torch threads: the whole bundle for each in ``sync``, where they take
     turns; their own shares otherwise, where they run at the same time."""
     rt = cfg.runtime
-    if cfg.buffer.max_staleness == 0:
+    if cfg.is_sync:
         return bundle_cores(cfg), bundle_cores(cfg)
     return max(1, round(rt.cpus_per_learner)), max(1, round(rt.cpus_per_replica))
 
@@ -61,7 +61,7 @@ class HybridActor(ReplicaActor):
     """A learner rank and its engine (module docstring). Learner calls are awaited on the
     learner thread, so the replica loop and heartbeats go on while the rank trains."""
 
-    def __init__(self, cfg: Config, rank: int, buffer: ReplayBuffer, holder: str | None = None,
+    def __init__(self, cfg: Config, rank: int, buffer: BufferProducer, holder: str | None = None,
                  reward_servers: dict[str, Any] | None = None) -> None:
         self.pinned = pins_cpus(cfg)
         # This actor pins itself to its bundle's cores; its two parts must not pin one each.
@@ -70,7 +70,7 @@ class HybridActor(ReplicaActor):
         self.rank = rank
         self.learner = LearnerActor(cfg, rank, cfg.learner.world_size)
         learner_threads, self.engine_threads = threads_per_role(cfg)
-        self.sync = cfg.buffer.max_staleness == 0
+        self.sync = cfg.is_sync
         self._learner_thread = ThreadPoolExecutor(
             1, thread_name_prefix="learner", initializer=torch.set_num_threads,
             initargs=(learner_threads,))
@@ -165,7 +165,7 @@ class HybridActor(ReplicaActor):
         self._learner_thread.shutdown(wait=False)
 
 
-def start_hybrid_workers(cfg: Config, pg: PlacementGroup, buffer: ReplayBuffer,
+def start_hybrid_workers(cfg: Config, pg: PlacementGroup, buffer: BufferProducer,
                          reward_servers: dict[str, Any]) -> list[Any]:
     """One ``HybridActor`` per learner rank, each in its bundle: learner ranks rendezvous and
     join first, then every rank builds its engine at the same time (vLLM's process groups are

@@ -189,8 +189,7 @@ def engine_in_process(cfg: Config) -> bool:
         return cfg.rollout.engine_in_process
     import torch
 
-    return (cfg.rollout.backend == "vllm" and cfg.buffer.max_staleness >= 1
-            and not torch.cuda.is_available())
+    return cfg.rollout.backend == "vllm" and not cfg.is_sync and not torch.cuda.is_available()
 
 
 def threads_per(cfg: Config, role: str) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import BufferConsumer
 from streamrl.config import Config
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ NOT_RECREATED = ("a co-located hybrid worker holds a learner rank and is not re-
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, members: list[Member], buffer: ReplayBuffer,
+    def __init__(self, cfg: Config, members: list[Member], buffer: BufferConsumer,
                  spawn: Spawn | None, loops: bool, lock: threading.RLock) -> None:
         """``spawn`` None: members are never re-created (hybrid workers); the first death
         stops the run."""

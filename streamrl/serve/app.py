@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 EPISODE_HEADER = "x-episode-id"
 GROUP_HEADER = "x-group-id"
 OPEN_ROUTES = frozenset({"/healthz"})
+Sampled = TypeVar("Sampled", ChatRequest, CompletionRequest)
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None
@@ -85,21 +86,22 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
             return JSONResponse(result)
         return StreamingResponse(_sse(result), media_type="text/event-stream")
 
+    async def sample(request: Request, kind: type[Sampled],
+                     call: Callable[[Sampled, str | None, str | None], Awaitable[Any]]
+                     ) -> Response:
+        async def run() -> Any:
+            body = protocol.decode_request(await body_of(request), kind)
+            return await call(body, episode_of(request, body.user),
+                              request.headers.get(GROUP_HEADER))
+        return await answer(run)
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        async def run() -> Any:
-            body = protocol.decode_request(await body_of(request), ChatRequest)
-            return await service.chat(body, episode_of(request, body.user),
-                                      request.headers.get(GROUP_HEADER))
-        return await answer(run)
+        return await sample(request, ChatRequest, service.chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        async def run() -> Any:
-            body = protocol.decode_request(await body_of(request), CompletionRequest)
-            return await service.completion(body, episode_of(request, body.user),
-                                            request.headers.get(GROUP_HEADER))
-        return await answer(run)
+        return await sample(request, CompletionRequest, service.completion)
 
     @app.post("/v1/episodes/{episode_id}/reward")
     async def reward(episode_id: str, request: Request) -> Response:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
 
-from streamrl.buffer.base import ReplayBuffer
+from streamrl.buffer.base import BufferProducer
 from streamrl.rollout_fleet.agent.render import ChatRenderer
 from streamrl.rollout_fleet.engine import Completion
 from streamrl.types import OBSERVATION_VERSION, Group, Trajectory, fits_float32, new_uid
@@ -155,7 +155,7 @@ class StoreCounters:
 class EpisodeStore:
     def __init__(
         self,
-        buffer: ReplayBuffer,
+        buffer: BufferProducer,
         renderer: ChatRenderer,
         *,
         ttl_s: float,

@@ -93,8 +93,18 @@ class Service:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def _params(self, request: ChatRequest | CompletionRequest, recorded: bool,
-                max_tokens: int) -> SamplingParams:
+    def _params(self, request: ChatRequest | CompletionRequest, call: Call | None,
+                asked: int | None, prompt_len: int) -> SamplingParams:
+        """The call's sampling parameters; a refused request gives its planned call back."""
+        try:
+            return self._sampling(request, call is not None, self._max_tokens(asked, prompt_len))
+        except RequestError:
+            if call is not None:
+                self.store.abandon(call)
+            raise
+
+    def _sampling(self, request: ChatRequest | CompletionRequest, recorded: bool,
+                  max_tokens: int) -> SamplingParams:
         r = self.cfg.rollout
         asked = {"temperature": request.temperature, "top_p": request.top_p,
                  "top_k": request.top_k}
@@ -195,13 +205,7 @@ class Service:
             call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_chat(
                 episode_id, messages, tools, group_id, slot))
             prompt_ids = call.prompt_ids
-        try:
-            params = self._params(request, call is not None,
-                                  self._max_tokens(asked, len(prompt_ids)))
-        except RequestError:
-            if call is not None:
-                self.store.abandon(call)
-            raise
+        params = self._params(request, call, asked, len(prompt_ids))
         request_id = protocol.new_id("chatcmpl")
         if request.stream:
             return self._chat_stream(request, episode_id, call, prompt_ids, params, request_id)
@@ -280,13 +284,7 @@ class Service:
         else:
             call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_tokens(
                 episode_id, prompt_ids, group_id, slot))
-        try:
-            params = self._params(request, call is not None,
-                                  self._max_tokens(request.max_tokens, len(prompt_ids)))
-        except RequestError:
-            if call is not None:
-                self.store.abandon(call)
-            raise
+        params = self._params(request, call, request.max_tokens, len(prompt_ids))
         request_id = protocol.new_id("cmpl")
         if request.stream:
             return self._completion_stream(request, episode_id, call, prompt_ids, params,

@@ -11,15 +11,22 @@ naming key and value.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from streamrl.config import LearnerConfig, ModelConfig, OptimConfig, _schema, _tuples
+from streamrl.config import (
+    LearnerConfig,
+    ModelConfig,
+    OptimConfig,
+    _all_keys,
+    _check_positive,
+    _fail,
+    _schema,
+    _tuples,
+)
 from streamrl.errors import ConfigError
 
 RESUME_MODES = ("disable", "auto")
@@ -54,6 +61,11 @@ class SFTDataConfig:
     shuffle: bool = True
     seed: int = 0
 
+    def validate(self) -> None:
+        if not self.train_files:
+            raise ConfigError("data.train_files=[]: give one or more parquet files")
+        _check_positive(self, "data", "max_length", "train_batch_size", "micro_batch_size")
+
 
 @dataclass(frozen=True)
 class SFTTrainerConfig:
@@ -69,6 +81,13 @@ class SFTTrainerConfig:
     """``auto``: continue from the latest complete checkpoint under output_dir, if any."""
     grad_clip: float = 1.0
 
+    def validate(self) -> None:
+        _check_positive(self, "trainer", "total_epochs")
+        _check_positive(self, "trainer", "total_steps", "save_freq", "max_to_keep",
+                        allow_zero=True)
+        if self.resume not in RESUME_MODES:
+            _fail("trainer.resume", self.resume, f"must be one of {list(RESUME_MODES)}")
+
 
 @dataclass(frozen=True)
 class SFTConfig:
@@ -79,18 +98,9 @@ class SFTConfig:
     trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
 
 
-def _keys(obj: Any, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        nested = dataclasses.is_dataclass(value)
-        out += _keys(value, f"{prefix}{f.name}.") if nested else [prefix + f.name]
-    return out
-
-
 def load_sft_config(overrides: list[str] | None = None) -> SFTConfig:
     """Defaults + ``key=value`` overrides, type-checked and validated."""
-    known = _keys(SFTConfig())
+    known = _all_keys(SFTConfig())
     values: dict[str, str] = {}
     translated = []
     for item in overrides or []:
@@ -115,24 +125,15 @@ def load_sft_config(overrides: list[str] | None = None) -> SFTConfig:
 
 
 def validate_sft(cfg: SFTConfig) -> SFTConfig:
-    """Raise ConfigError for the first inconsistent setting; return cfg unchanged otherwise."""
-    d, t = cfg.data, cfg.trainer
-    if not d.train_files:
-        raise ConfigError("data.train_files=[]: give one or more parquet files")
-    positive = {"data.max_length": d.max_length, "data.train_batch_size": d.train_batch_size,
-                "data.micro_batch_size": d.micro_batch_size, "learner.world_size":
-                cfg.learner.world_size, "trainer.total_epochs": t.total_epochs}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key}={value!r}: must be > 0")
-    for key, value in {"trainer.total_steps": t.total_steps, "trainer.save_freq": t.save_freq,
-                       "trainer.max_to_keep": t.max_to_keep}.items():
-        if value < 0:
-            raise ConfigError(f"{key}={value!r}: must be >= 0")
-    if d.train_batch_size % cfg.learner.world_size:
+    """Raise ConfigError for the first inconsistent setting; return cfg unchanged otherwise.
+    Each section checks its own keys (the RL config's sections with the RL config's checks)."""
+    cfg.data.validate()
+    cfg.model.validate()
+    cfg.optim.validate("optim")
+    cfg.learner.validate()
+    cfg.trainer.validate()
+    if cfg.data.train_batch_size % cfg.learner.world_size:
         # Every rank takes the same number of rows, so FSDP's collectives line up.
-        raise ConfigError(f"data.train_batch_size={d.train_batch_size!r}: must be a multiple "
-                          f"of learner.world_size={cfg.learner.world_size}")
-    if t.resume not in RESUME_MODES:
-        raise ConfigError(f"trainer.resume={t.resume!r}: must be one of {list(RESUME_MODES)}")
+        _fail("data.train_batch_size", cfg.data.train_batch_size,
+              f"must be a multiple of learner.world_size={cfg.learner.world_size}")
     return cfg

@@ -94,10 +94,6 @@ class PublishStats:
     generation: int = -1
     """Weight-group generation the version went out on (-1: no group was needed)."""
 
-    @property
-    def bytes_per_s(self) -> float:
-        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
-
 
 class WeightPublisher(abc.ABC):
     """Learner side of the bus."""

@@ -4,9 +4,8 @@ Parts:
 - Messages (MessagePack, tagged): receivers send ``Hello``, ``Heartbeat``, ``Ack`` (stages
   ``announced`` when the receiver takes the announcement, ``received`` with the
   ``WeightManifest`` it assembled, ``loaded``, ``skipped``, ``failed``) and
-  ``Bye``; the learner answers ``Hello`` with ``Welcome`` (the current version and its manifest:
-  the "current manifest" endpoint) and sends ``Announce`` (version + the ``GroupSpec`` of the
-  generation to join) to each receiver it addresses.
+  ``Bye``; the learner sends ``Announce`` (version + the ``GroupSpec`` of the generation to
+  join) to each receiver it addresses.
 - ``ControlServer`` (learner): roster of receivers with liveness from heartbeats, ack bookkeeping,
   bounded waits. ``ControlClient`` (receiver): hello, heartbeats, acks, a queue of announcements.
 - ``heartbeat_interval`` / ``dead_after``: both sides derive liveness timing from
@@ -31,7 +30,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 import msgspec
@@ -87,11 +86,6 @@ class Ack(msgspec.Struct, tag="ack", kw_only=True):
     error: str = ""
 
 
-class Welcome(msgspec.Struct, tag="welcome", kw_only=True):
-    current_version: int
-    manifest: WeightManifest | None = None
-
-
 class Announce(msgspec.Struct, tag="announce", kw_only=True):
     version: int
     publish_id: str
@@ -99,9 +93,8 @@ class Announce(msgspec.Struct, tag="announce", kw_only=True):
 
 
 ToLearner = Union[Hello, Heartbeat, Bye, Ack]  # noqa: UP007 - msgspec needs a runtime Union
-ToReceiver = Union[Welcome, Announce]  # noqa: UP007
 _to_learner = msgspec.msgpack.Decoder(ToLearner)
-_to_receiver = msgspec.msgpack.Decoder(ToReceiver)
+_to_receiver = msgspec.msgpack.Decoder(Announce)
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -179,7 +172,6 @@ class Peer:
     last_seen: float
     loaded_version: int = -1
     received_version: int = -1
-    joined_at: float = field(default_factory=time.monotonic)
     gone: str = ""
     """Why it left (``bye`` or the reason it was declared dead); empty while it is a member."""
     silenced: bool = False
@@ -212,7 +204,6 @@ class ControlServer:
         """Receivers that said hello since the last ``take_joiners`` (catch-up candidates)."""
         self._acks: dict[str, dict[str, dict[str, Ack]]] = {}
         """publish id -> receiver id -> stage -> ack."""
-        self._current = Welcome(current_version=-1)
         self._io = _IOThread(self._ctx, sock, self._handle, self._tick, 0.25,
                              "weight-bus-control-server")
         self._io.start()
@@ -241,7 +232,6 @@ class ControlServer:
                 self.peers[msg.receiver_id] = peer = Peer(msg.receiver_id, now)
                 self.joiners.append(msg.receiver_id)
                 log.info("weight bus: receiver %r joined", msg.receiver_id)
-                self._send(msg.receiver_id, self._current)
             peer.last_seen = now
             if isinstance(msg, (Hello, Heartbeat)):
                 peer.loaded_version = max(peer.loaded_version, msg.loaded_version)
@@ -260,16 +250,8 @@ class ControlServer:
             self.cond.notify_all()  # lets waiters re-evaluate liveness
 
     # -- outgoing -------------------------------------------------------------------------
-    def _send(self, receiver_id: str, msg: msgspec.Struct) -> None:
-        self._io.send([receiver_id.encode(), _encoder.encode(msg)])
-
     def announce(self, receiver_id: str, announce: Announce) -> None:
-        self._send(receiver_id, announce)
-
-    def set_current(self, version: int, manifest: WeightManifest | None) -> None:
-        """What ``Welcome`` tells late joiners (the "current manifest" answer)."""
-        with self.cond:
-            self._current = Welcome(current_version=version, manifest=manifest)
+        self._io.send([receiver_id.encode(), _encoder.encode(announce)])
 
     # -- queries and waits ----------------------------------------------------------------
     def live(self) -> list[str]:
@@ -380,8 +362,6 @@ class ControlClient:
         address, token = split_endpoint(endpoint)
         self._token = token.encode()
         self.announcements: queue.Queue[Announce] = queue.Queue()
-        self.welcome: Welcome | None = None
-        self.welcomed = threading.Event()
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, receiver_id.encode())
@@ -394,12 +374,7 @@ class ControlClient:
         self._io.start()
 
     def _handle(self, frames: list[bytes]) -> None:
-        msg = _to_receiver.decode(frames[-1])
-        if isinstance(msg, Welcome):
-            self.welcome = msg
-            self.welcomed.set()
-        else:
-            self.announcements.put(msg)
+        self.announcements.put(_to_receiver.decode(frames[-1]))
 
     def _tick(self) -> None:
         self._send(Heartbeat(receiver_id=self.receiver_id, loaded_version=self.loaded_version))

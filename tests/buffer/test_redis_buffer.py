@@ -417,10 +417,10 @@ def test_a_redis_that_stops_answering_stops_the_run_naming_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A server that still accepts connections but answers nothing (stopped, or wedged): the
     learner's and a replica's calls give up after outage_s with the URL, instead of hanging."""
-    import streamrl.buffer.redis as redis_buffer
+    from streamrl.buffer.redis import connection
     from streamrl.errors import RunStopped
 
-    monkeypatch.setattr(redis_buffer, "READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connection, "READ_TIMEOUT_S", 1.0)
     port = free_port()
     server = _redis_server(port, tmp_path)
     try:
@@ -477,7 +477,7 @@ def test_replica_calls_from_an_event_loop_share_round_trips(
         redis_url: str, run: str, async_sent: list[list[str]]) -> None:
     """What a replica's loop does: the calls its tasks make together travel together, a put
     claims the next group's slot exactly while the bound allows, errors reach the caller."""
-    from streamrl.buffer.redis import WRITER_PIPELINES
+    from streamrl.buffer.redis.writer import WRITER_PIPELINES
 
     buf = new_buffer(redis_url, run, groups_per_step=4, max_staleness=1)  # 8 slots at V=0
     holder = "replica-0.0"

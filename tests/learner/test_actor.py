@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from itertools import pairwise
 from pathlib import Path
@@ -309,3 +310,18 @@ def test_every_policy_loss_setting_comes_from_the_config(tmp_path) -> None:
     assert loss_cfg.clip_range("gspo") == (3e-4, 4e-4)
     assert loss_cfg.clip_range("cispo") == (0.2, 5.0)
     assert loss_cfg.decoupled_weight_cap == 4.0 and loss_cfg.icepop_level == "sequence"
+    # every field at once: each one takes a value other than its default from the config
+    cfg = make_config(tmp_path, tmp_path, **{
+        "actor.policy_loss": "reinforce", "actor.recompute_log_prob": False,
+        "actor.clip_ratio": 0.3, "actor.clip_ratio_low": 0.1, "actor.clip_ratio_high": 0.28,
+        "actor.clip_ratio_c": 4.0, "actor.gspo_clip_ratio_low": 3e-4,
+        "actor.gspo_clip_ratio_high": 4e-4, "actor.cispo_clip_ratio_low": 0.5,
+        "actor.cispo_clip_ratio_high": 5.0, "actor.loss_agg_mode": "seq-mean-token-mean",
+        "actor.loss_scale_factor": 100.0, "actor.tis_cap": 1.5,
+        "actor.rollout_is_level": "sequence", "actor.rollout_is_batch_normalize": True,
+        "actor.icepop_low": 0.5, "actor.icepop_high": 2.0, "actor.icepop_level": "sequence",
+        "actor.rejection_low": 0.8, "actor.rejection_high": 1.2, "actor.rollout_rs": "token_k1",
+        "actor.rollout_rs_threshold": "0.5_2.0", "actor.decoupled_weight_cap": 4.0})
+    loss_cfg = policy_loss_config(cfg)
+    assert [f.name for f in dataclasses.fields(loss_cfg)
+            if getattr(loss_cfg, f.name) == f.default] == []

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator
-
 import pytest
 
 from streamrl.config import RolloutConfig
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    # AsyncLLM binds its output handler to one event loop: every call of a module shares it.
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

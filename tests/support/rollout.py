@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from streamrl.buffer.base import BufferStats, ReplayBuffer
+from streamrl.buffer.base import BufferProducer
 from streamrl.buffer.memory import MemoryBuffer
 from streamrl.data import ListPromptSource, Prompt, PromptStream
 from streamrl.data.toy import toy_reward
@@ -22,7 +22,7 @@ from streamrl.rollout_fleet.replica import Replica
 from streamrl.types import Group
 
 
-class ListBuffer(ReplayBuffer):
+class ListBuffer(BufferProducer):
     """At most ``capacity`` admissions; put groups land in a list."""
 
     def __init__(self, capacity: int) -> None:
@@ -30,7 +30,6 @@ class ListBuffer(ReplayBuffer):
         self.started = 0
         self.given_back = 0
         self.groups: list[Group] = []
-        self.version = 0
 
     def try_admit(self, holder: str = "") -> bool:
         if self.started >= self.capacity:
@@ -42,30 +41,8 @@ class ListBuffer(ReplayBuffer):
         self.started -= 1
         self.given_back += 1
 
-    def release(self, holder: str) -> int:
-        raise NotImplementedError("not used by replicas")
-
     def put(self, group: Group, holder: str = "") -> None:
         self.groups.append(group)
-
-    def take(self, n: int, learner_version: int, timeout: float | None = None) -> list[Group]:
-        taken, self.groups = self.groups[:n], self.groups[n:]
-        return taken
-
-    def ack(self, group_ids: list[str]) -> None:
-        pass
-
-    def set_version(self, learner_version: int) -> None:
-        self.version = learner_version
-
-    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
-               in_flight: int = 0) -> None:
-        raise NotImplementedError("not used by replicas")
-
-    def stats(self) -> BufferStats:
-        return BufferStats(learner_version=self.version, produced=len(self.groups),
-                           queued=len(self.groups), started=self.started,
-                           in_flight=self.started - len(self.groups))
 
 
 class ToyScorer:

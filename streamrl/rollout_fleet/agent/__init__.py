@@ -1,7 +1,7 @@
 """Multi-turn agent rollouts: environments, tools, token-in/token-out episodes (DESIGN.md §5).
 
 The package's face. ``make_agent(rollout, tokenizer)`` builds the ``Agent`` a replica runs
-episodes with, from ``rollout.agent`` (a built-in name from ``envs.BUILTIN_ENVS`` or an import
+episodes with, from ``rollout.agent`` (a built-in name from ``plugins.AGENT_ENVS`` or an import
 path ``package.module:Class`` / ``path/to/file.py:Class``), ``rollout.tools``
 (``module:function`` / ``file.py:function``) and the budgets ``rollout.max_turns``,
 ``rollout.max_episode_tokens``, ``rollout.max_new_tokens`` (per turn), ``rollout.tool_timeout_s``.
@@ -22,9 +22,8 @@ from typing import Any
 
 from streamrl.config import RolloutConfig
 from streamrl.errors import ConfigError
-from streamrl.plugins import import_file, import_module
+from streamrl.plugins import agent_env_spec, import_file, import_module
 from streamrl.rollout_fleet.agent.env import AssistantTurn, Environment, Message, StepResult
-from streamrl.rollout_fleet.agent.envs import BUILTIN_ENVS
 from streamrl.rollout_fleet.agent.loop import Agent, Episode, Sampler, run_episode
 from streamrl.rollout_fleet.agent.parsers import (
     PARSERS,
@@ -70,7 +69,7 @@ def make_agent(rollout: RolloutConfig, tokenizer: Any) -> Agent:
     """The Agent ``rollout.agent`` names (fails clearly on a bad name, class or tool)."""
     if not rollout.agent:
         raise ValueError("make_agent: rollout.agent is not set")
-    env_cls = load_object(BUILTIN_ENVS.get(rollout.agent, rollout.agent), "rollout.agent")
+    env_cls = load_object(agent_env_spec(rollout.agent), "rollout.agent")
     if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
         raise TypeError(f"rollout.agent={rollout.agent!r}: {env_cls!r} is not a subclass of "
                         "streamrl.rollout_fleet.agent.Environment")

@@ -29,9 +29,8 @@ to any receiver that joins late, on a generation of its own, right away. Weights
 out zero-copy and only runs of small weights are copied. Any other iterable may be written to
 after ``publish``: it is packed into the kept copy, which is the one copy such a version costs
 (the segments go out from it). Without it (default with NCCL: the copy would cost GPU memory;
-weights go out zero-copy where they lie contiguously) a late joiner is noted in
-``needs_republish`` and gets the weights with the next ``publish``; the controller can publish
-the current weights again at once if it cannot wait.
+weights go out zero-copy where they lie contiguously) a late joiner gets the weights with the
+next ``publish``.
 """
 
 from streamrl.weight_bus.collective.publisher import CollectivePublisher

@@ -123,8 +123,6 @@ class CollectivePublisher(WeightPublisher):
         self._generation = 0
         self._group: WeightGroup | None = None
         self._members: tuple[str, ...] = ()
-        self.needs_republish = False
-        """True when a receiver joined that only a fresh ``publish`` can serve (no copy kept)."""
         self._closed = threading.Event()
         self._catch_up_thread = threading.Thread(target=self._catch_up_loop, daemon=True,
                                                  name="weight-bus-catch-up")
@@ -176,10 +174,8 @@ class CollectivePublisher(WeightPublisher):
             assert self._plan is not None
             specs = list(self._plan.buckets)
             self._version = version
-            self.control.set_current(version, manifest_of(version, publish_id, specs))
             if failure is not None:
                 self._recover(members, version, publish_id, failure)
-            self.needs_republish = False
             return PublishStats(
                 version=version, nbytes=sum(b.nbytes for b in specs),
                 num_tensors=len(self._plan.order), num_buckets=len(specs),
@@ -293,7 +289,6 @@ class CollectivePublisher(WeightPublisher):
         _exhaust(iter(source))  # the other FSDP ranks gather in lockstep
         self._drop_group(f"version {version} does not follow the bucket plan: {exc}")
         self._plan, self._kept = None, None
-        self.needs_republish = True
         raise WeightBusError(f"weight bus: version {version} was not published: its weights do "
                              f"not follow the bucket plan made from the first version ({exc}); "
                              "publish it again to make a new plan") from exc
@@ -438,8 +433,6 @@ class CollectivePublisher(WeightPublisher):
             except (WeightBusError, RuntimeError) as exc:
                 log.error("weight bus: re-sending version %d to %s failed: %s",
                           version, survivors, exc)
-        if not recovered:
-            self.needs_republish = True
         if not dead:
             raise WeightBusError(
                 f"weight bus: publish of version {version} on generation {generation} failed "
@@ -476,7 +469,6 @@ class CollectivePublisher(WeightPublisher):
         if not behind:
             return
         if self._kept is None:
-            self.needs_republish = True
             log.info("weight bus: %s joined late; no copy kept, the next publish serves them",
                      behind)
             return

@@ -5,12 +5,6 @@
   (envs/calculator.py).
 - ``reasoning_gym``: any reasoning-gym task as a one-tool environment (envs/rgym.py).
 
-Names map to import paths so that config validation can check a name without importing the
-environments.
+The names and their import paths are ``streamrl.plugins.AGENT_ENVS``: config validation checks
+a name there without importing the rollout fleet.
 """
-
-BUILTIN_ENVS: dict[str, str] = {
-    "relay": "streamrl.rollout_fleet.agent.envs.relay:RelayEnv",
-    "calculator": "streamrl.rollout_fleet.agent.envs.calculator:CalculatorEnv",
-    "reasoning_gym": "streamrl.rollout_fleet.agent.envs.rgym:ReasoningGymEnv",
-}

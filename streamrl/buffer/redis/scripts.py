@@ -1,16 +1,24 @@
 """The Lua scripts of the Redis buffer: every counter moves in the same atomic step as the data
-it counts.
+it counts; ``Scripts`` registers them on a client.
 
 One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``RELEASE``, ``PUT``,
 ``SET_VERSION``, ``TAKE``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the
-shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``set_queued`` sets
-``queued`` from the queued set, ``settle`` retires one of a holder's admissions, ``chunked`` makes
-one variadic call per thousand items, ``count_taken`` counts taken entries as consumed)
-and documented with its KEYS, ARGV and reply. Key names are those of ``redis.RunKeys``: stats
-holders and minv (hashes), ids / queued / taken (sets), groups / dead (streams).
+shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``capacity`` is the
+staleness bound, ``set_queued`` sets ``queued`` from the queued set, ``settle`` retires one of a
+holder's admissions, ``chunked`` makes one variadic call per thousand items, ``count_taken``
+counts taken entries as consumed) and documented with its KEYS, ARGV and reply. Key names are
+those of ``wire.RunKeys``: stats holders and minv (hashes), ids / queued / taken (sets), groups /
+dead (streams).
 
-Dependencies: none; ``buffer/redis.py`` registers these scripts and is their only user.
+Dependencies: redis-py (``Script``); the backend and its writer are the only users.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.commands.core import Script
 
 _HELPERS = """
 local function touch(h)
@@ -18,6 +26,12 @@ local function touch(h)
   redis.call('HSET', h, 'last_update_ts', t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
 end
 local function num(h, f) return tonumber(redis.call('HGET', h, f) or '0') end
+-- How many groups may have been started by the stored learner version: (V + eta + 1) * B, the
+-- Lua twin of Admission.capacity (buffer/base.py), here to check and claim in one atomic step.
+local function capacity(h)
+  local s = redis.call('HMGET', h, 'learner_version', 'groups_per_step', 'max_staleness')
+  return (tonumber(s[1] or '0') + tonumber(s[3] or '0') + 1) * tonumber(s[2] or '0')
+end
 local function set_queued(h, q) redis.call('HSET', h, 'queued', redis.call('SCARD', q)) end
 -- Retire one of a holder's admissions: false when it holds none.
 local function settle(h, holders, holder)
@@ -97,12 +111,11 @@ return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
 
 # The bound, checked and claimed in one step against the learner version read in the same step.
 # KEYS: stats holders; ARGV: holder, [n = 1].
-# Claims min(n, (V + eta + 1) * B - started) slots (started, in_flight and the holder's count
-# rise by as many) and returns how many: 0 when the bound is reached.
+# Claims min(n, capacity - started) slots (started, in_flight and the holder's count rise by
+# as many) and returns how many: 0 when the bound is reached.
 ADMIT = _HELPERS + """
 local h = KEYS[1]
-local v, b, eta = num(h, 'learner_version'), num(h, 'groups_per_step'), num(h, 'max_staleness')
-local n = math.min(tonumber(ARGV[2] or '1'), (v + eta + 1) * b - num(h, 'started'))
+local n = math.min(tonumber(ARGV[2] or '1'), capacity(h) - num(h, 'started'))
 if n > 0 then
   redis.call('HINCRBY', h, 'started', n)
   redis.call('HINCRBY', h, 'in_flight', n)
@@ -159,10 +172,7 @@ return n
 # string, not an array of 2 per group, because the client parses each array element apart.
 PUT = _HELPERS + """
 local h, holders = KEYS[1], KEYS[5]
-local s = redis.call('HMGET', h, 'learner_version', 'groups_per_step', 'max_staleness',
-                     'started')
-local capacity = (tonumber(s[1] or '0') + tonumber(s[3] or '0') + 1) * tonumber(s[2] or '0')
-local started = tonumber(s[4] or '0')
+local bound, started = capacity(h), num(h, 'started')
 local started0, in_flight, produced = started, 0, 0
 local held, held0, by_producer, last_version = {}, {}, {}, {}
 local gids = {}
@@ -198,7 +208,7 @@ for k, gid in ipairs(gids) do
     end
     put = 1
   end
-  if ARGV[i + 5] == '1' and started < capacity then  -- the bound, as ADMIT checks it
+  if ARGV[i + 5] == '1' and started < bound then  -- the bound, as ADMIT checks it
     started = started + 1
     in_flight = in_flight + 1
     held[holder] = held[holder] + 1
@@ -393,3 +403,32 @@ redis.call('HSET', h, 'learner_version', ARGV[1], 'consumed', ARGV[2], 'in_fligh
 touch(h)
 return q
 """
+
+
+class Scripts:
+    """The scripts registered on one client: each call is an EVALSHA, and a script the server
+    forgot (it restarted) is loaded again."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        s = client.register_script
+        self.admit, self.cancel, self.put = s(ADMIT), s(CANCEL), s(PUT)
+        self.admit_many = s(ADMIT)  # the same script: its replies are counts, not flags
+        self.release = s(RELEASE)
+        self.set_version, self.consume, self.take = s(SET_VERSION), s(CONSUME), s(TAKE)
+        self.discard, self.ack, self.rebase = s(DISCARD), s(ACK), s(REBASE)
+
+
+def script_result(script: Script, keys: list[str], args: list[Any], reply: Any) -> Any:
+    """The result of an EVALSHA of ``script`` that returned ``reply`` raw: an error reply is
+    raised; NOSCRIPT (Redis restarted and forgot it) loads the script and runs it again."""
+    if isinstance(reply, redis.exceptions.NoScriptError):
+        return script(keys=keys, args=args)
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def admitted(put_reply: bytes, i: int) -> bool:
+    """Whether the ``i``-th group of a PUT call claimed its holder's next slot (the reply holds
+    two characters per group: put, admitted)."""
+    return put_reply[2 * i + 1:2 * i + 2] == b"1"
