@@ -1,5 +1,5 @@
-"""Command line: ``streamrl train | sft | serve | report | buffer stats | data tiny-model |
-data sft-toy | data gguf | data smollm2 | data gsm8k | config``.
+"""Command line: ``streamrl train | sft | serve | export | report | buffer stats |
+data tiny-model | data sft-toy | data gguf | data smollm2 | data gsm8k | config``.
 
 ``streamrl train [key=value ...]`` takes Hydra overrides, native (``rollout.n=4``,
 ``trainer.mode=sync``) or verl-style (``actor_rollout_ref.rollout.n=4``).
@@ -46,24 +46,41 @@ def _sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    import yaml
-
-    from streamrl.config import load_config
+def _export(args: argparse.Namespace) -> int:
+    """The actor of a training checkpoint as an HF model (the run's overrides say which model
+    and adapter); one learner rank, which reads the sharded checkpoint whatever world size
+    wrote it."""
+    from streamrl.config import load_config, replace
 
     cfg = load_config(args.overrides)
-    print(yaml.safe_dump(_plain(dataclasses.asdict(cfg)), sort_keys=False))
+    if cfg.actor.lora.rank > 0 and not args.merge:
+        raise ConfigError(f"actor.lora.rank={cfg.actor.lora.rank}: the checkpoint holds a LoRA "
+                          "adapter; add --merge to write the base model with it merged in "
+                          "(adapter-only export is not implemented)")
+    from streamrl.learner.checkpoint import find_latest
+    from streamrl.learner.worker import LearnerWorker
+    from streamrl.net import free_port
+
+    path = find_latest(args.checkpoint) or args.checkpoint
+    cfg = replace(cfg, **{"learner.world_size": 1})
+    worker = LearnerWorker(cfg, 0, 1, "127.0.0.1", free_port())
+    try:
+        worker.load_checkpoint(str(path))
+        print(worker.export_hf(args.out))
+    finally:
+        worker.shutdown()
     return 0
 
 
-def _plain(obj):
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
+def _config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from streamrl.config import load_config
+    from streamrl.logs import redacted
+
+    cfg = load_config(args.overrides)
+    print(yaml.safe_dump(redacted(cfg), sort_keys=False))
+    return 0
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -112,7 +129,11 @@ def _buffer_stats(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from streamrl.config import check_serving
+
     cfg = _load(args)
+    if cfg.serve.train:  # its learner trains on the clients' episodes: checked before start
+        check_serving(cfg)
     from streamrl.serve import run_serve
 
     return run_serve(cfg)
@@ -155,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("-v", "--verbose", action="store_true",
                      help="show every engine and library message")
     sft.set_defaults(func=_sft)
+
+    export = sub.add_parser(
+        "export", help="write a training checkpoint's actor as an HF model (LoRA: --merge)")
+    export.add_argument("--checkpoint", required=True, help="a global_step_N directory, or a "
+                        "run's output_dir (its latest checkpoint)")
+    export.add_argument("--out", required=True, help="the HF model directory to write")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA runs: merge the adapter into the base weights")
+    export.add_argument("overrides", nargs="*", help="the run's key=value overrides "
+                        "(model.path, actor.lora.*)")
+    export.set_defaults(func=_export)
 
     config = sub.add_parser("config", help="print the composed, validated config")
     config.add_argument("overrides", nargs="*")

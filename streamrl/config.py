@@ -10,7 +10,8 @@ Parts:
   Each section checks its own keys in its ``validate`` method (names against the registries
   they extend: ``algos``' estimators and losses, ``plugins.AGENT_ENVS``, the toy tasks);
   ``validate`` adds what ties sections together: every setting a mode would contradict or
-  that could never make progress, batch and sequence sizes, co-location,
+  that could never make progress, batch and sequence sizes, co-location; ``check_serving``
+  what a learner fed by ``streamrl serve``'s episodes needs besides,
 - ``load_config(overrides)``: compose ``configs/config.yaml`` + overrides into a validated Config
   (verl-style keys are translated by ``config_compat``); an unknown key (with the closest one as
   a hint), a value of the wrong type or an unknown preset is one ``ConfigError`` line too.
@@ -37,8 +38,8 @@ from streamrl.errors import ConfigError
 from streamrl.logs import LOG_LEVELS
 from streamrl.plugins import AGENT_ENVS
 
-__all__ = ["MODE_PRESETS", "Config", "ConfigError", "load_config", "replace", "validate",
-           "with_mode"]
+__all__ = ["MODE_PRESETS", "Config", "ConfigError", "check_serving", "load_config", "replace",
+           "validate", "with_mode"]
 
 UPDATE_POLICIES = ("drain", "pause", "abort")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -469,6 +470,39 @@ class OptimConfig:
         _check_choice(f"{key}.lr_schedule", self.lr_schedule, ("constant", "cosine"))
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of Qwen2/Llama-style models (vLLM's LoRA names too)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA on the actor (docs/lora.md): only the adapter trains and has optimizer state; the
+    reference policy is the same model with the adapter disabled. Replicas get the adapter
+    merged into the base weights (a full-size, exact publish)."""
+
+    rank: int = 0
+    """0: off (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by alpha / rank."""
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Names (last component) of the linear layers that get an adapter."""
+
+    def validate(self) -> None:
+        _check_positive(self, "actor.lora", "rank", allow_zero=True)
+        if self.rank == 0:
+            return
+        _check_positive(self, "actor.lora", "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("actor.lora.dropout", self.dropout, "must be in [0, 1)")
+        if not self.target_modules:
+            _fail("actor.lora.target_modules", self.target_modules,
+                  "must name at least one linear layer, e.g. [q_proj,v_proj]")
+        if "lm_head" in self.target_modules:
+            _fail("actor.lora.target_modules", self.target_modules,
+                  "lm_head is tied to the embedding in the models we train: leave it out")
+
+
 @dataclass(frozen=True)
 class ActorConfig:
     ppo_mini_batch_size: int | None = None
@@ -534,6 +568,7 @@ class ActorConfig:
     actor.loss_scale_factor); None: the response budget (``Config.response_budget``), as verl
     (responses padded to data.max_response_length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         from streamrl import algos
@@ -555,6 +590,7 @@ class ActorConfig:
                   "micro-batch: set one (per_gpu counts samples per rank, the other groups)")
         self._check_policy_loss()
         self.optim.validate("actor.optim")
+        self.lora.validate()
 
     def _check_policy_loss(self) -> None:
         """The settings ``learner.actor.policy_loss_config`` hands to ``algos.PolicyLossConfig``
@@ -670,11 +706,15 @@ class BufferConfig:
     redis_outage_s: float = 60.0
     """How long Redis calls retry through a restart or outage (reconnecting with backoff)
     before the run stops with an error naming buffer.redis_url."""
+    lease_ttl_s: float = 30.0
+    """Redis: a process's admission slots are a lease its buffer client renews every third of
+    this; a process silent this long (it died) has its slots reclaimed, and a trainer resume
+    keeps only the slots of live holders (docs/architecture.md)."""
 
     def validate(self) -> None:
         """eta's bound by mode is ``validate``'s (``_check_mode``): it needs trainer.mode."""
         _check_choice("buffer.backend", self.backend, ("memory", "redis"))
-        _check_positive(self, "buffer", "take_timeout_s", "redis_outage_s")
+        _check_positive(self, "buffer", "take_timeout_s", "redis_outage_s", "lease_ttl_s")
         _check_positive(self, "buffer", "max_staleness", allow_zero=True)
 
 
@@ -814,7 +854,7 @@ class ServeConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     """Bearer token every route but /healthz requires (or env STREAMRL_API_KEY); needed to bind
     anything but a loopback address."""
     train: bool = True
@@ -827,6 +867,11 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     episode_ttl_s: float = 900.0
     """An episode idle this long without being closed expires (admission given back)."""
+    max_episodes_per_client: int = 1024
+    """Open episodes one client (remote address) may hold; one more gets 429."""
+    max_group_size: int = 64
+    """Episodes one X-Group-Id may gather (they share one admission slot) until a close gives
+    the group's group_size, which is its limit from then on."""
     group_timeout_s: float = 300.0
     """A group still missing episodes this long after its first close goes to the buffer as is."""
     retry_after_s: int = 1
@@ -835,7 +880,8 @@ class ServeConfig:
 
     def validate(self) -> None:
         _check_positive(self, "serve", "max_tokens", "max_body_bytes", "episode_ttl_s",
-                        "group_timeout_s", "shutdown_timeout_s")
+                        "group_timeout_s", "shutdown_timeout_s", "max_episodes_per_client",
+                        "max_group_size")
         _check_positive(self, "serve", "retry_after_s", allow_zero=True)
         _check_port("serve.port", self.port)
 
@@ -928,9 +974,12 @@ def validate(cfg: Config) -> Config:
     for f in dataclasses.fields(cfg):
         getattr(cfg, f.name).validate()
     _check_mode(cfg)
-    if cfg.rollout.num_replicas == 0 and cfg.buffer.backend != "redis":
-        _fail("rollout.num_replicas", 0, "needs buffer=redis: a trainer without replicas trains "
-              "on the episodes another process (streamrl serve) puts in the shared buffer")
+    if cfg.rollout.num_replicas == 0:
+        if cfg.buffer.backend != "redis":
+            _fail("rollout.num_replicas", 0, "needs buffer=redis: a trainer without replicas "
+                  "trains on the episodes another process (streamrl serve) puts in the shared "
+                  "buffer")
+        check_serving(cfg)
     _check_estimator(cfg)
     _check_batch_sizes(cfg)
     _check_lengths(cfg)
@@ -974,6 +1023,23 @@ def _check_estimator(cfg: Config) -> None:
     if estimator == "remax" and not cfg.rollout.greedy_baseline:
         _fail("algorithm.adv_estimator", "remax", "needs rollout.greedy_baseline=true (the "
               "greedy response's reward is the baseline; algorithm=remax sets both)")
+
+
+def check_serving(cfg: Config) -> None:
+    """What a learner that trains on ``streamrl serve``'s episodes needs, checked at start so
+    its thread does not die on the first such batch: ``validate`` checks a trainer without
+    replicas (``rollout.num_replicas=0``); ``streamrl serve`` calls it for its own learner
+    (``serve.train``)."""
+    if cfg.algorithm.adv_estimator == "remax":
+        _fail("algorithm.adv_estimator", "remax",
+              "cannot train on streamrl serve's episodes: its baseline is a greedy response a "
+              "replica samples with each group, and a client's episodes come without one (use "
+              "grpo, rloo or another group baseline)")
+    if cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len < cfg.rollout.max_model_len:
+        _fail("actor.ppo_max_token_len", cfg.actor.ppo_max_token_len,
+              f"is below rollout.max_model_len={cfg.rollout.max_model_len}: an episode "
+              "streamrl serve records may be that long and must fit a packed micro-batch "
+              "(raise actor.ppo_max_token_len, or lower rollout.max_model_len)")
 
 
 def _check_batch_sizes(cfg: Config) -> None:

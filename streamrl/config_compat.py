@@ -18,6 +18,9 @@ from streamrl.errors import ConfigError
 VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.model.path": "model.path",
     "actor_rollout_ref.model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    "actor_rollout_ref.model.lora_rank": "actor.lora.rank",
+    "actor_rollout_ref.model.lora_alpha": "actor.lora.alpha",
+    "actor_rollout_ref.model.target_modules": "actor.lora.target_modules",
     "actor_rollout_ref.rollout.n": "rollout.n",
     "actor_rollout_ref.rollout.name": "rollout.backend",
     "actor_rollout_ref.rollout.temperature": "rollout.temperature",

@@ -1,4 +1,5 @@
-"""Quiet by default: the engine and library noise a user cannot act on is dropped at its source.
+"""What a run writes out is quiet and keeps secrets: the engine and library noise a user cannot act
+on is dropped at its source, and no sink gets a password or an API key.
 
 - ``LOG_LEVELS``: ``trainer.log_level`` values; ``debug`` shows everything, unfiltered,
 - ``KNOWN_NOISE``: what vLLM, torch and the HF loaders print on every CPU run (eager mode, no
@@ -7,18 +8,24 @@
 - ``worker_env(level)``: environment for Ray workers. vLLM reads its logging config from
   ``VLLM_LOGGING_CONFIG_PATH`` in every process it starts, the engine-core child included
   (which no filter installed from our side could reach), so the filter goes in there,
-- ``configure(level)``: the same for the driver process.
+- ``configure(level)``: the same for the driver process,
+- ``redacted(cfg)``: the config as plain data with its secrets masked, what every sink that
+  takes the config out of the process writes (``streamrl config``, wandb); ``redact_url(text)``
+  masks the password of each URL in a line (a ``buffer.redis_url`` quoted by an error).
 
 Depends on nothing of streamrl (vLLM imports it while configuring its loggers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning")
 
@@ -76,3 +83,37 @@ def configure(level: str) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     os.environ.update(worker_env(level))
+
+
+MASK = "***"
+# Keys whose value is a secret wherever they sit (serve.api_key, a password key); names that
+# merely contain "token" (max_tokens, stop_token_ids) are not.
+SECRET_KEY = re.compile(r"(^|_)(api_key|password|passwd|secret|token)$", re.IGNORECASE)
+# The password of a URL (scheme://user:password@host) and a password in its query
+# (redis-py also reads ?password=...).
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)[^@/\s]+@")
+_QUERY_SECRET = re.compile(r"(?P<head>[?&](?:password|passwd|api_key|token)=)[^&#\s]*",
+                           re.IGNORECASE)
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every URL in it masked (``redis://user:***@host``)."""
+    text = _URL_PASSWORD.sub(lambda m: f"{m['head']}{MASK}@", text)
+    return _QUERY_SECRET.sub(lambda m: f"{m['head']}{MASK}", text)
+
+
+def redacted(cfg: Any) -> Any:
+    """A config (a dataclass, or already a dict of one) as plain dicts, lists and scalars, with
+    secrets masked: the value of every secret key (``SECRET_KEY``) that is set, and URL
+    passwords in every string. What every sink that takes the config out of the process
+    writes, so one function decides what is secret."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        cfg = dataclasses.asdict(cfg)
+    if isinstance(cfg, Mapping):
+        return {key: MASK if SECRET_KEY.search(str(key)) and value not in (None, "")
+                else redacted(value) for key, value in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [redacted(value) for value in cfg]
+    if isinstance(cfg, str):
+        return redact_url(cfg)
+    return cfg

@@ -1,5 +1,6 @@
 """Metric sinks (console progress, JSONL, wandb, TensorBoard) and the small timing and
-aggregation helpers of the controller. Every key is listed in docs/metrics.md."""
+aggregation helpers of the controller. Every key is listed in docs/metrics.md. A sink given the
+run's config (wandb) gets it through ``logs.redacted``: no secret leaves the process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from streamrl.logs import redacted
 from streamrl.types import Group, Trajectory
 
 CONSOLE_KEYS = (
@@ -176,7 +178,8 @@ def _clock(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Fans one metrics dict per step out to the configured sinks."""
+    """Fans one metrics dict per step out to the configured sinks. ``config`` (the run's, as a
+    dict) is recorded by the sinks that keep one (wandb), secrets masked."""
 
     def __init__(
         self,
@@ -189,6 +192,7 @@ class MetricsLogger:
         total_steps: int = 0,
     ) -> None:
         self.sinks = tuple(sinks)
+        config = None if config is None else redacted(config)
         self._progress = Progress(total_steps, stream) if "console" in self.sinks else None
         self._jsonl: TextIO | None = None
         self._wandb: Any = None

@@ -278,6 +278,13 @@ def test_bad_mode_names_value() -> None:
     ({"trainer.logger": ("console", "mlflow")}, r"trainer.logger='mlflow'"),
     ({"trainer.log_level": "loud"}, r"trainer.log_level='loud'"),
     ({"rollout.num_replicas": 0}, r"rollout.num_replicas=0: needs buffer=redis"),
+    ({"buffer.lease_ttl_s": 0.0}, r"buffer.lease_ttl_s=0.0: must be > 0"),
+    # a trainer fed by streamrl serve's episodes (no replicas of its own)
+    ({"rollout.num_replicas": 0, "buffer.backend": "redis", "algorithm.adv_estimator": "remax",
+      "rollout.greedy_baseline": True},
+     r"algorithm.adv_estimator='remax': cannot train on streamrl serve's episodes"),
+    ({"rollout.num_replicas": 0, "buffer.backend": "redis", "actor.ppo_max_token_len": 256},
+     r"actor.ppo_max_token_len=256: is below rollout.max_model_len=512"),
     ({"serve.max_tokens": 0}, r"serve.max_tokens=0: must be > 0"),
     ({"rollout.backend": "hf", "rollout.engine_in_process": True},
      r"rollout.engine_in_process=True: only vLLM runs in the replica's process"),
@@ -352,3 +359,24 @@ def test_cli_reports_config_error_without_traceback(capsys: pytest.CaptureFixtur
     assert "config error" in err and "rollout.n=1" in err
     assert "Traceback" not in err
 
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["algorithm=remax"], "algorithm.adv_estimator='remax': cannot train on streamrl serve's"),
+    (["actor.ppo_max_token_len=256"],
+     "actor.ppo_max_token_len=256: is below rollout.max_model_len=512"),
+])
+def test_serve_refuses_what_would_kill_its_learner_at_start(
+        overrides: list[str], line: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's learner trains on its clients' episodes: a setting that would kill its
+    thread on the first such batch is one line at start (exit 2), before anything starts."""
+    from streamrl.cli import main
+
+    monkeypatch.setattr("streamrl.logs.configure", lambda level: None)  # this process's logging
+    monkeypatch.setattr("streamrl.serve.run_serve", lambda cfg: 0)  # never start a service here
+
+    assert main(["serve", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert line in err and len(err.strip().splitlines()) == 1
+    assert main(["config", *overrides]) == 0  # a trainer with replicas of its own may

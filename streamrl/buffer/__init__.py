@@ -41,5 +41,6 @@ def make_buffer(cfg: Config) -> ReplayBuffer:
         from streamrl.buffer.redis import RedisBuffer
 
         return RedisBuffer(cfg.buffer.redis_url, cfg.buffer.run, groups_per_step, max_staleness,
-                           outage_s=cfg.buffer.redis_outage_s)
+                           outage_s=cfg.buffer.redis_outage_s,
+                           lease_ttl_s=cfg.buffer.lease_ttl_s)
     raise ValueError(f"buffer.backend={backend!r}: expected one of {', '.join(BACKENDS)}")

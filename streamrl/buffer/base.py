@@ -27,12 +27,16 @@ Lifecycle: ``try_admit`` -> (replica samples) -> ``put`` | ``cancel_admission``;
 ``take``s, trains, checkpoints (recording the taken group ids), then ``ack``s. A replica that will
 start another group puts with ``put_and_admit``: the put and the next group's ``try_admit`` in
 one call (one round trip with Redis), the claimed slot used by its next group. On resume from a
-checkpoint, ``rebase`` restarts the counters consistent with the restored learner version.
+checkpoint, ``rebase`` restarts the counters consistent with the restored learner version,
+keeping the admissions of holders that are still alive (``streamrl serve``'s open episodes).
 
 Holders: every admission is counted under the holder that claimed it (a replica incarnation,
-``HeldBuffer`` binds one), so when a replica dies its supervisor ``release``s exactly the slots
-that replica held. A put from a holder that holds nothing (released, or never admitted) takes a
-fresh slot, so a late put from a replica declared dead keeps the accounting exact too.
+``HeldBuffer`` binds one; ``streamrl serve`` admits as ""), so when a replica dies its supervisor
+``release``s exactly the slots that replica held. A put from a holder that holds nothing
+(released, or never admitted) takes a fresh slot, so a late put from a replica declared dead
+keeps the accounting exact too. A holder in another process that no supervisor watches (a
+``streamrl serve`` sharing a Redis run) holds its slots as a lease its buffer client renews:
+when the process dies, the lease expires and its slots are reclaimed (``redis`` package).
 """
 
 from __future__ import annotations
@@ -142,6 +146,9 @@ class BufferStats:
     """Groups refused at take time for a version newer than the learner's
     (``newer_than_learner``); their slots are given back."""
     malformed: int = 0
+    reclaimed: int = 0
+    """Admission slots given back because their holder's lease expired (its process died
+    without putting or cancelling; Redis)."""
     staleness_mean: float = 0.0
     staleness_max: int = 0
     last_update_ts: float = 0.0
@@ -244,27 +251,26 @@ class BufferConsumer(abc.ABC):
         Versions only move forward (``ValueError`` otherwise); use ``rebase`` to go back.
         """
 
-    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = (),
-               in_flight: int = 0) -> None:
+    def rebase(self, learner_version: int, consumed: int, skip_ids: Iterable[str] = ()) -> None:
         """Restart the counters after restoring a checkpoint taken at ``learner_version``.
 
         ``consumed``: groups trained up to that checkpoint (normally ``learner_version * B``).
         Taken-but-unacked groups go back to the queue, except ``skip_ids`` (already trained,
-        recorded in the checkpoint), which are acked and never delivered again. ``in_flight``:
-        admissions still held by replicas that survive the restart (0 when they all restarted).
-        Afterwards ``started = consumed + queued + in_flight``, so the bound holds and the
-        learner can be served.
+        recorded in the checkpoint), which are acked and never delivered again. Admissions of
+        live holders stay theirs (a ``streamrl serve`` that outlived the trainer keeps its open
+        groups; their puts and cancels settle them as before); those of holders that are gone
+        are dropped (Redis: holders whose lease expired; in memory every holder lives in this
+        process, or is released by the supervisor when its replica dies). Afterwards
+        ``started = consumed + queued + in_flight``, so the bound holds and the learner can be
+        served.
         """
-        if learner_version < 0 or consumed < 0 or in_flight < 0:
-            raise ValueError(
-                f"rebase: learner_version={learner_version}, consumed={consumed}, "
-                f"in_flight={in_flight} must all be >= 0"
-            )
-        self._rebase(learner_version, consumed, set(skip_ids), in_flight)
+        if learner_version < 0 or consumed < 0:
+            raise ValueError(f"rebase: learner_version={learner_version}, consumed={consumed} "
+                             "must both be >= 0")
+        self._rebase(learner_version, consumed, set(skip_ids))
 
     @abc.abstractmethod
-    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str],
-                in_flight: int) -> None:
+    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str]) -> None:
         """The backend's ``rebase``, its arguments checked."""
 
     @abc.abstractmethod

@@ -15,6 +15,11 @@ newer than the learner (``base.newer_than_learner``), scanning the heap only whe
 
 Oldest first means lowest oldest-policy-version first: a slow group started under old weights
 is trained before it would go stale, instead of being overtaken by younger groups and dropped.
+
+Holders need no lease here (unlike Redis): the buffer lives and dies with its process, so each
+holder is in this process (``streamrl serve``'s episodes) or a replica actor whose death the
+supervisor sees and ``release``s (``remote.RemoteBuffer``); ``rebase`` keeps what every holder
+holds.
 """
 
 from __future__ import annotations
@@ -221,8 +226,7 @@ class MemoryBuffer(ReplayBuffer):
             self._touch()
             self._cond.notify_all()
 
-    def _rebase(self, learner_version: int, consumed: int, skip: set[str],
-                in_flight: int) -> None:
+    def _rebase(self, learner_version: int, consumed: int, skip: set[str]) -> None:
         with self._cond:
             # Taken but not acked and not recorded as trained: deliver again.
             self._heap += [e for gid, e in self._taken.items() if gid not in skip]
@@ -234,10 +238,10 @@ class MemoryBuffer(ReplayBuffer):
             self._seen |= skip
             self._version = learner_version
             self._consumed = consumed
-            self._in_flight = in_flight
-            if not in_flight:
-                self._held.clear()
-            self._started = consumed + len(self._heap) + in_flight
+            # Every holder is alive: in this process (streamrl serve's episodes), or a replica
+            # the supervisor releases when it dies. So no lease (unlike Redis): rebase keeps
+            # what each holds, and its put or cancel settles it as before.
+            self._started = consumed + len(self._heap) + self._in_flight
             self._touch()
             self._cond.notify_all()
 

@@ -131,9 +131,8 @@ class RemoteBuffer(ReplayBuffer):
     def set_version(self, learner_version: int) -> None:
         ray.get(self.handle.set_version.remote(learner_version))
 
-    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str],
-                in_flight: int) -> None:
-        ray.get(self.handle.rebase.remote(learner_version, consumed, list(skip_ids), in_flight))
+    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str]) -> None:
+        ray.get(self.handle.rebase.remote(learner_version, consumed, list(skip_ids)))
 
     def stats(self) -> BufferStats:
         return ray.get(self.handle.stats.remote())

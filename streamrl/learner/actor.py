@@ -17,8 +17,8 @@ reference log-probs of the whole mini-batch: the proximal ones when known, else 
 first epoch that takes them from its own forward) one no-grad forward of the mini-batch.
 Log-probs come from ``logprobs.policy_log_probs`` (computed in the LM head, chunked, never the
 [tokens x vocab] logits); the entropy has gradients only when ``entropy_coeff != 0``.
-Depends on algos, batch, config and the learner's batching / forward / logprobs / optim /
-update_loop.
+Depends on algos, batch, config and the learner's batching / forward / logprobs / lora /
+optim / update_loop.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from streamrl.config import Config
 from streamrl.learner.batching import Plan
 from streamrl.learner.forward import MicroBatch, gather_rows
 from streamrl.learner.logprobs import policy_log_probs
+from streamrl.learner.lora import adapter_disabled
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
 from streamrl.learner.update_loop import (
     Counts,
@@ -87,7 +88,8 @@ def log_probs_over_plan(
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """[B, R] log-probs (and entropies) for the whole batch: this rank's rows computed, then
-    gathered from all ranks. No gradients."""
+    gathered from all ranks. No gradients, in eval mode (no LoRA dropout)."""
+    model.eval()
     lp_parts: list[tuple[list[int], Tensor]] = []
     ent_parts: list[tuple[list[int], Tensor]] = []
     with torch.no_grad():
@@ -107,18 +109,24 @@ def log_probs_over_plan(
 
 
 class ReferencePolicy:
-    """A frozen copy of the initial policy (FSDP2-sharded like the actor, no optimizer)."""
+    """The initial policy: a frozen copy (FSDP2-sharded like the actor, no optimizer), or,
+    ``shared``, the actor's own LoRA model with its adapter disabled (the base weights never
+    train), which costs no memory."""
 
-    def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
-        for p in model.parameters():
-            p.requires_grad_(False)
+    def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device,
+                 shared: bool = False):
+        if not shared:
+            for p in model.parameters():
+                p.requires_grad_(False)
         self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
+        self.shared = shared
 
     def compute_ref_log_prob(self, batch: Batch) -> Tensor:
-        log_probs, _ = log_probs_over_plan(
-            self.model, batch, self.planner(batch), packed=self.cfg.actor.use_dynamic_bsz,
-            device=self.device, sampling=sampling_of(self.cfg),
-        )
+        with adapter_disabled(self.model):  # a no-op on a frozen copy
+            log_probs, _ = log_probs_over_plan(
+                self.model, batch, self.planner(batch), packed=self.cfg.actor.use_dynamic_bsz,
+                device=self.device, sampling=sampling_of(self.cfg),
+            )
         return log_probs
 
 

@@ -54,20 +54,34 @@ _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 @dataclass
 class TrainState:
-    """Model + optimizer + LR scheduler as one DCP ``Stateful`` (sharded, resharding-safe)."""
+    """Model + optimizer + LR scheduler as one DCP ``Stateful`` (sharded, resharding-safe).
+
+    ``trainable_only`` (a LoRA actor): the model's part is its trainable parameters alone, the
+    adapter; the frozen base weights come from ``model.path`` on resume."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    trainable_only: bool = False
+
+    def _options(self) -> StateDictOptions:
+        # strict=False lets the frozen weights be absent; DCP still fails on a missing
+        # adapter key, since the state it loads into names every one.
+        return StateDictOptions(ignore_frozen_params=self.trainable_only,
+                                strict=not self.trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
+        if self.trainable_only:  # a tied head is frozen too, but escapes ignore_frozen_params
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k in trainable}
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(
             self.model, self.optimizer,
             model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=self._options(),
         )
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -241,13 +255,17 @@ _WEIGHT_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|\.safetensors\.index\.jso
 
 
 def export_hf(
-    model: nn.Module, out_dir: str | os.PathLike[str], source_dir: str | os.PathLike[str]
+    model: nn.Module, out_dir: str | os.PathLike[str], source_dir: str | os.PathLike[str],
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path | None:
     """``save_pretrained`` of the full (unsharded) weights on rank 0, plus the tokenizer and
     other non-weight files of ``source_dir``; written to a temp dir and renamed into place.
-    Every rank must call this (the state dict gather is collective); rank 0 returns the dir."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    Every rank must call this (the state dict gather is collective); rank 0 returns the dir.
+    ``state``: the full HF-named weights to write instead (a LoRA model's, merged), gathered
+    by the caller."""
+    if state is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
     out = Path(out_dir)
     if _rank() != 0:
         _barrier()

@@ -124,7 +124,10 @@ def mixed_precision(choice: str, device: torch.device) -> bool:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of an HF model (``model.base_model.layers`` for Qwen2/Llama)."""
+    """The transformer blocks of an HF model (``model.base_model.layers`` for Qwen2/Llama), also
+    inside a peft (LoRA) wrapper, whose ``base_model`` is its tuner."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     layers = getattr(model.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__}: cannot find decoder layers at base_model.layers")
@@ -268,7 +271,7 @@ def iter_full_parameters(
     """
     params = list(model.named_parameters())
     full = _full_parameters(params, dtype, every_rank)
-    return HandedOver(full) if all(_made_anew(p, dtype) for _, p in params) else full
+    return HandedOver(full) if all(made_anew(p, dtype) for _, p in params) else full
 
 
 def _full_parameters(
@@ -282,7 +285,7 @@ def _full_parameters(
         del full
 
 
-def _made_anew(param: torch.Tensor, dtype: torch.dtype | None) -> bool:
+def made_anew(param: torch.Tensor, dtype: torch.dtype | None) -> bool:
     """Whether the full tensor yielded for ``param`` is new memory, not the live parameter."""
     if dtype is not None and dtype != param.dtype:
         return True  # the cast copies

@@ -9,11 +9,14 @@ computes its own rows and the collectives make the results whole again:
   returns the full batch.** Otherwise the update's first forward gives the proximal log-probs.
 - ``update(batch)`` trains the actor (and critic); every rank returns the same metrics.
 - ``named_full_parameters(dtype, every_rank)``: rank 0 (every rank with ``every_rank``) yields
-  (HF name, full tensor); other ranks must iterate too (they yield nothing).
+  (HF name, full tensor); other ranks must iterate too (they yield nothing). With LoRA
+  (``actor.lora.rank > 0``, learner/lora.py) the adapter is merged into the base weights, and
+  the reference policy is the actor with its adapter disabled, not a second model.
 - ``offload()`` / ``reload()``: parameters, gradients and optimizer state to host memory and
   back (``learner.offload``, co-located mode); nothing moves on a CPU device.
 - ``save_checkpoint(step, extra)`` / ``load_checkpoint(path)``: atomic DCP checkpoints under
-  ``cfg.trainer.output_dir`` (see checkpoint.py); ``export_hf(dir)``: HF weights on rank 0.
+  ``cfg.trainer.output_dir`` (see checkpoint.py); ``export_hf(dir)``: HF weights on rank 0
+  (a LoRA actor's merged).
 - ``version``: completed updates (restored by ``load_checkpoint``).
 Dependencies: config, batch, models (model path), weight_bus.base (its iterator type) and the
 learner modules.
@@ -43,6 +46,7 @@ from streamrl.learner.fsdp import (
     mixed_precision,
     resolve_device,
 )
+from streamrl.learner.lora import hf_model, iter_merged_parameters, with_lora
 from streamrl.learner.update_loop import sync_max
 from streamrl.models import resolve_model_path
 from streamrl.weight_bus.base import NamedTensors
@@ -77,10 +81,14 @@ class LearnerWorker:
             micro_rows=cfg.actor.ppo_micro_batch_size_per_gpu,
         )
         # Rank 0 reads the checkpoint; the other ranks receive their shards (fsdp.load_sharded).
-        actor_model = load_sharded(load_causal_lm, self.model_path, self.device, spec)
+        self.lora = cfg.actor.lora.rank > 0
+        load_actor = with_lora(load_causal_lm, cfg.actor.lora) if self.lora else load_causal_lm
+        actor_model = load_sharded(load_actor, self.model_path, self.device, spec)
         self.actor = Actor(actor_model, cfg, self.plan, self.device)
         self.ref: ReferencePolicy | None = None
-        if cfg.use_ref:
+        if cfg.use_ref and self.lora:  # the base model is the actor with its adapter disabled
+            self.ref = ReferencePolicy(actor_model, cfg, self.plan, self.device, shared=True)
+        elif cfg.use_ref:
             frozen = dataclasses.replace(spec, gradient_checkpointing=False)
             ref_model = load_sharded(load_causal_lm, self.model_path, self.device, frozen)
             self.ref = ReferencePolicy(ref_model, cfg, self.plan, self.device)
@@ -142,6 +150,8 @@ class LearnerWorker:
     def named_full_parameters(
         self, dtype: torch.dtype | None = None, every_rank: bool = False
     ) -> NamedTensors:
+        if self.lora:  # replicas load the base weights with the adapter merged in
+            return iter_merged_parameters(self.actor.model, dtype, every_rank)
         return iter_full_parameters(self.actor.model, dtype, every_rank)
 
     def offload(self) -> None:
@@ -160,7 +170,7 @@ class LearnerWorker:
                 for key, value in slots.items():
                     if isinstance(value, torch.Tensor):
                         slots[key] = value.to(device, non_blocking=True)
-        if self.ref is not None:
+        if self.ref is not None and not self.ref.shared:
             self.ref.model.to(device)
         if device.type == "cpu":
             torch.cuda.synchronize()
@@ -168,7 +178,7 @@ class LearnerWorker:
 
     def _states(self) -> dict[str, ckpt.TrainState]:
         states = {"actor": ckpt.TrainState(self.actor.model, self.actor.optimizer,
-                                           self.actor.scheduler)}
+                                           self.actor.scheduler, trainable_only=self.lora)}
         if self.critic is not None:
             states["critic"] = ckpt.TrainState(self.critic.model, self.critic.optimizer,
                                                self.critic.scheduler)
@@ -187,7 +197,12 @@ class LearnerWorker:
         return extra
 
     def export_hf(self, out_dir: str) -> str | None:
-        out = ckpt.export_hf(self.actor.model, out_dir, self.model_path)
+        """The actor as an HF model (with LoRA: the adapter merged into the base weights)."""
+        if self.lora:
+            state = dict(iter_merged_parameters(self.actor.model))  # every rank gathers
+            out = ckpt.export_hf(hf_model(self.actor.model), out_dir, self.model_path, state)
+        else:
+            out = ckpt.export_hf(self.actor.model, out_dir, self.model_path)
         return str(out) if out is not None else None
 
     def shutdown(self) -> None:

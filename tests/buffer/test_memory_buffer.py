@@ -161,3 +161,22 @@ def test_the_buffer_actor_class_stays_a_threaded_actor() -> None:
     coroutines = [name for name, fn in inspect.getmembers(BufferActor, inspect.isfunction)
                   if inspect.iscoroutinefunction(fn)]
     assert coroutines == []
+
+
+def test_a_trainer_resume_keeps_the_admissions_of_live_holders() -> None:
+    """streamrl serve (holder "") and a replica hold slots when the trainer resumes from a
+    checkpoint: rebase keeps them (every holder of a memory buffer is alive: in this process,
+    or a replica the supervisor releases), so the open group's cancel and put still settle
+    its slot instead of failing."""
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=1)
+    assert buf.admit_up_to(2) == 2  # the service's open groups
+    assert buf.try_admit("replica-0.0")
+    buf.rebase(learner_version=0, consumed=0)
+    s = buf.stats()
+    assert (s.in_flight, s.started, s.queued) == (3, 3, 0)
+    buf.cancel_admission()  # a client's failed episode gives its slot back
+    buf.put(make_group(0, "served"))  # the other one is put on its own slot
+    s = buf.stats()
+    assert (s.in_flight, s.started, s.queued) == (1, 2, 1)
+    assert buf.release("replica-0.0") == 1
+    assert [g.group_id for g in buf.take(1, 0, timeout=0)] == ["served"]

@@ -575,3 +575,140 @@ def test_a_counted_entry_that_does_not_decode_is_uncounted(
     assert client.hlen(k.minv) == 0  # nothing left behind
     assert client.xrange(k.dead)[0][1][b"source_id"] == bad
     buf.purge()
+
+
+# A streamrl serve sharing the run (its own client, holder ""): it claims slots, then dies.
+SERVICE_THAT_DIES = """if True:
+    import sys, time
+    from streamrl.buffer.redis import RedisBuffer
+    url, run, b, eta, n = sys.argv[1:6]
+    buf = RedisBuffer(url, run, int(b), int(eta), lease_ttl_s=1.0, session="dead-serve")
+    print(buf.admit_up_to(int(n)), flush=True)
+    time.sleep(120)
+"""
+
+
+def kill_a_service_holding(redis_url: str, run: str, b: int, eta: int, n: int) -> None:
+    """Start a process that claims ``n`` slots as holder "" (session ``dead-serve``, lease 1 s),
+    then kill -9 it."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVICE_THAT_DIES, redis_url, run, str(b),
+                             str(eta), str(n)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == str(n)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_crashed_service_s_slots_come_back_when_its_lease_expires(
+        redis_url: str, run: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A serve process killed while it holds every slot: the restarted one is refused (429)
+    only until the dead one's lease expires; then its heartbeat reclaims the slots, counted and
+    logged once with the holder's name."""
+    kill_a_service_holding(redis_url, run, b=2, eta=0, n=2)
+    restarted = new_buffer(redis_url, run, groups_per_step=2, max_staleness=0, lease_ttl_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="streamrl.buffer.redis"):
+        assert not restarted.try_admit()  # the bound is reached: by a process that is gone
+        deadline = time.monotonic() + 15
+        while not restarted.try_admit():
+            assert time.monotonic() < deadline, "the dead service's slots never came back"
+            time.sleep(0.1)
+    s = restarted.stats()
+    assert (s.reclaimed, s.in_flight, s.started) == (2, 1, 1)
+    lines = [r.getMessage() for r in caplog.records if "reclaimed" in r.getMessage()]
+    assert len(lines) == 1 and "reclaimed 2 admission slot(s) of holder @dead-serve" in lines[0]
+    restarted.close()
+    restarted.purge()
+
+
+def test_a_waiting_learner_reclaims_a_dead_holder_s_slots(redis_url: str, run: str) -> None:
+    """No other producer is left to beat: the learner's take, waiting for groups the dead
+    process will never put, reclaims its slots itself (the next replica or client may start)."""
+    kill_a_service_holding(redis_url, run, b=1, eta=0, n=1)
+    learner = new_buffer(redis_url, run, groups_per_step=1, max_staleness=0)
+    with pytest.raises(TimeoutError):
+        learner.take(1, 0, timeout=4)
+    s = learner.stats()
+    assert (s.reclaimed, s.in_flight, s.started) == (1, 0, 0)
+    assert learner.try_admit()
+    learner.purge()
+
+
+def test_a_live_holder_keeps_its_slots_past_the_lease_ttl(redis_url: str, run: str) -> None:
+    """The heartbeat renews a live client's leases: nothing is reclaimed from it, a resume keeps
+    its slots; once it closes, its leftover slots come back."""
+    holder = new_buffer(redis_url, run, lease_ttl_s=0.6)
+    assert holder.admit_up_to(2, "replica-0.0") == 2
+    time.sleep(2.0)  # three lease lifetimes, renewed every 0.2 s
+    learner = new_buffer(redis_url, run)
+    with pytest.raises(TimeoutError):
+        learner.take(1, 0, timeout=1.5)  # reaps while it waits
+    learner.rebase(learner_version=0, consumed=0)
+    s = learner.stats()
+    assert (s.reclaimed, s.in_flight, s.started) == (0, 2, 2)
+    holder.close()
+    with pytest.raises(TimeoutError):
+        learner.take(1, 0, timeout=2.5)
+    s = learner.stats()
+    assert (s.reclaimed, s.in_flight, s.started) == (2, 0, 0)
+    learner.purge()
+
+
+def test_a_trainer_resume_keeps_a_live_service_s_admissions(redis_url: str, run: str) -> None:
+    """The trainer resumes from a checkpoint while streamrl serve holds open groups: rebase
+    keeps the slots of holders with a live lease, so the service's cancel and put settle them
+    as before (no error, no lost group), and drops those of a holder that is gone."""
+    service = new_buffer(redis_url, run)  # B=2, eta=1: 4 slots
+    assert service.admit_up_to(2) == 2
+    gone = new_buffer(redis_url, run)
+    assert gone.try_admit("replica-0.0")
+    gone.close()  # its process ended; it will never put
+    trainer = new_buffer(redis_url, run, consumer="resumed")
+    trainer.rebase(learner_version=0, consumed=0)
+    s = trainer.stats()
+    assert (s.in_flight, s.started, s.queued) == (2, 2, 0)
+    service.cancel_admission()  # a client's failed episode gives its slot back
+    service.put(make_group(0, "served"))  # the other group settles its own slot
+    s = trainer.stats()
+    assert (s.in_flight, s.started, s.queued) == (0, 1, 1)
+    assert [g.group_id for g in trainer.take(1, 0, timeout=5)] == ["served"]
+    service.close()
+    trainer.purge()
+
+
+def test_same_named_holders_of_two_clients_are_apart(redis_url: str, run: str) -> None:
+    """A restarted trainer names its replicas as the previous one did (replica-0.0): each
+    client's holders are its own, so its supervisor releases exactly its replica's slots, and
+    the buffer it sends to a replica keeps its session."""
+    import pickle
+
+    old_trainer = new_buffer(redis_url, run)
+    assert old_trainer.try_admit("replica-0.0")
+    trainer = new_buffer(redis_url, run)
+    replica = pickle.loads(pickle.dumps(trainer))
+    assert replica.admit_up_to(2, "replica-0.0") == 2
+    assert trainer.release("replica-0.0") == 2
+    assert trainer.stats().in_flight == 1
+    replica.close()
+    old_trainer.close()
+    trainer.purge()
+
+
+def test_messages_naming_the_redis_url_mask_its_password(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """buffer.redis_url may carry a password: the errors that quote it, and `streamrl buffer
+    stats`, mask it."""
+    from streamrl.buffer.redis import print_stats
+    from streamrl.buffer.redis.connection import connect, outage_error
+    from streamrl.errors import ConfigError
+
+    url = f"redis://learner:s3cret-pw@127.0.0.1:{free_port()}/0"
+    with pytest.raises(ConfigError) as err:
+        connect(url)
+    stopped = outage_error(url, 5, redis.ConnectionError(f"lost {url}"))
+    assert print_stats(url, "r") == 1
+    query = "redis://127.0.0.1:1/0?password=s3cret-pw"
+    with pytest.raises(ConfigError) as err2:
+        connect(query)
+    for message in (str(err.value), str(stopped), capsys.readouterr().err, str(err2.value)):
+        assert "s3cret-pw" not in message and "***" in message, message

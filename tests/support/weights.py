@@ -110,6 +110,11 @@ def engine_main(model_dir: str, endpoint: str, timeout_s: float, commands: Any,
                 params = SamplingParams(temperature=0.0, max_tokens=8)
                 [done] = await engine.generate(PROMPT, params, f"greedy-{arg}")
                 replies.put(("tokens", done.token_ids, done.versions))
+            elif cmd == "sample":  # arg: (n, max_tokens); temperature 1, with log-probs
+                n, max_tokens = arg
+                params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens)
+                done = await engine.generate(PROMPT, params, f"sample-{engine.version}")
+                replies.put(("samples", [(c.token_ids, c.logprobs, c.versions) for c in done]))
         await receiver.aclose()
         await engine.close()
 

@@ -4,6 +4,8 @@ Modules, one job each (dependencies point down the list; none imports this face)
 
 - ``backend``: ``RedisBuffer``, the ``ReplayBuffer`` backend (admission, put, take, ack, rebase);
 - ``writer``: ``LoopWriter``, an event loop's awaitable replica calls in shared pipelines;
+- ``leases``: ``Heartbeat``, which renews a client's admission leases (slots of a process that
+  died come back once its lease expires);
 - ``stats``: the stats hash as ``BufferStats``, and ``print_stats`` / ``watch_stats`` (behind
   ``streamrl buffer stats``);
 - ``wire``: the key layout (``RunKeys``) and the stream entries, encoded and decoded (msgspec);
@@ -17,10 +19,14 @@ Keys of run ``<run>``::
                            min_version, data, holder); consumer group ``learners``, created at
                            init
     streamrl:<run>:stats   hash: learner_version produced consumed queued started in_flight
-                           dropped refused malformed staleness_mean staleness_max staleness_sum
-                           staleness_count groups_per_step max_staleness last_update_ts
-                           bus_endpoint (the trainer's weight-bus endpoint, for streamrl serve)
-    streamrl:<run>:holders hash: admissions in flight per holder (replica incarnation)
+                           dropped refused malformed reclaimed staleness_mean staleness_max
+                           staleness_sum staleness_count groups_per_step max_staleness
+                           last_update_ts bus_endpoint (the trainer's weight-bus endpoint, for
+                           streamrl serve)
+    streamrl:<run>:holders hash: admissions in flight per holder, ``<name>@<client session>``
+                           (a replica incarnation, or "" for streamrl serve's episodes)
+    streamrl:<run>:leases  sorted set: holder -> when its lease expires (Redis time, seconds);
+                           a holder whose lease is not live is gone: its slots are reclaimed
     streamrl:<run>:dead    stream, malformed and refused entries (source_id, reason, original
                            fields)
     streamrl:<run>:ids     set, every group_id ever put (put is idempotent)
@@ -31,7 +37,14 @@ Keys of run ``<run>``::
 
 At a glance: ``redis-cli HGETALL streamrl:<run>:stats`` (counters, learner version) and
 ``redis-cli XINFO GROUPS streamrl:<run>:groups`` (``lag``: entries no learner has read yet;
-``pending``: read, not yet acked).
+``pending``: read, not yet acked); ``streamrl buffer stats`` adds the holders and their leases.
+
+Leases (``leases``): a process's admissions outlive it by ``lease_ttl_s`` at most. Each claim
+sets its holder's lease, the client renews it from a heartbeat thread every third of that, and
+the heartbeats and a learner waiting in ``take`` reclaim the slots of holders whose lease is not
+live (logged once, naming the holder; counted as ``reclaimed``). ``rebase`` (a trainer resume)
+keeps the slots of holders with a live lease (a ``streamrl serve`` that outlived the trainer
+keeps its open groups) and drops the others; ``close`` ends the client's leases.
 
 Learner lifecycle: XREADGROUP -> train -> checkpoint (with the taken group ids) -> ``ack``
 (XACK). After a crash the unacked entries are delivered again: a restarted learner with the same
@@ -50,7 +63,8 @@ XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.
 Round trips (tests/buffer/test_redis_buffer.py counts them): ``try_admit``, ``admit_up_to``
 (n slots in one script), ``put``, ``put_and_admit`` (the put and the next group's admission in
 one script), ``cancel_admission``, ``set_version`` and ``ack`` (XACK and trim) are one script
-each. The awaitable calls a replica makes from its event loop (``atry_admit``,
+each (a claim sets its lease in the same script; the heartbeat is one script every
+``lease_ttl_s / 3``). The awaitable calls a replica makes from its event loop (``atry_admit``,
 ``aadmit_up_to``, ``aput``, ``aput_and_admit``, ``acancel_admission``)
 go through that loop's writer (``writer.LoopWriter``): every call queued while a pipeline is out
 travels in the next one, consecutive puts as one PUT script (one XADD per group inside), so a

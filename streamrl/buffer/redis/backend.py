@@ -5,8 +5,11 @@ Replica calls (``try_admit``, ``put``, ``put_and_admit``, ... and their awaitabl
 that loop's ``writer.LoopWriter``) are one script each; the learner's ``take`` reads entries
 (XREADGROUP, own pending after a restart, XAUTOCLAIM of a vanished learner's), decodes each once
 (``wire.decode_entry``), drops stale, refuses newer-than-learner and dead-letters malformed ones
-(``_keep``, ``_discard_entry``), and counts what it returns (TAKE or CONSUME). Depends on base,
-and on this package's connection, scripts, wire, writer and stats.
+(``_keep``, ``_discard_entry``), and counts what it returns (TAKE or CONSUME). Admissions are
+leases (``leases``): counted under the holder's name and this client's session
+(``wire.held_as``), renewed by this client's heartbeat, reclaimed when it stops. Depends on base,
+on logs (URLs in messages have their password masked), and on this package's connection,
+leases, scripts, wire, writer and stats.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import secrets
+import socket
 import sys
 import threading
 import time
@@ -41,6 +47,7 @@ from streamrl.buffer.redis.connection import (
     outage_error,
     outage_is_fatal,
 )
+from streamrl.buffer.redis.leases import Heartbeat
 from streamrl.buffer.redis.scripts import INIT, Scripts, admitted, script_result
 from streamrl.buffer.redis.stats import read_stats
 from streamrl.buffer.redis.wire import (
@@ -51,6 +58,7 @@ from streamrl.buffer.redis.wire import (
     RunKeys,
     decode_entry,
     group_id,
+    held_as,
     id_order,
     put_args,
     stream_entries,
@@ -58,12 +66,21 @@ from streamrl.buffer.redis.wire import (
 )
 from streamrl.buffer.redis.writer import Call, LoopWriter
 from streamrl.errors import ConfigError
+from streamrl.logs import redact_url
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
 
 _POLL_MS = 1000  # longest single XREADGROUP block: recovery and claims are checked between
 PUT_BATCH = 256  # most groups one PUT call carries (Lua unpacks their ids at once)
+REAP_EVERY_S = 1.0  # a learner waiting in take reclaims dead holders' slots this often at most
+
+
+def new_session() -> str:
+    """A name for one client's holders, unique across hosts and restarts (no '.': holder names
+    end in ``.<incarnation>``)."""
+    host = socket.gethostname().replace(".", "-")
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class RedisBuffer(ReplayBuffer):
@@ -73,6 +90,10 @@ class RedisBuffer(ReplayBuffer):
     loop their awaitable twins (sent by that loop's writer); one learner process (consumer name
     ``consumer``) calls ``take`` / ``ack``. Take order is stream order (arrival); each returned
     batch is sorted oldest policy version first.
+
+    Holders are counted as ``<holder>@<session>`` (``wire.held_as``): a buffer sent to a replica
+    keeps its sender's session, so the supervisor's ``release`` names what the replica
+    claimed; a process that builds its own (``streamrl serve``) has a session of its own.
     """
 
     def __init__(
@@ -87,13 +108,18 @@ class RedisBuffer(ReplayBuffer):
         trim_acked: bool = True,
         client: redis.Redis | None = None,
         outage_s: float = 60.0,
+        lease_ttl_s: float = 30.0,
+        session: str | None = None,
     ) -> None:
         """``outage_s``: how long every call retries (reconnecting, backing off up to
         ``connection.RETRY_BACKOFF_CAP_S``) through a Redis restart or outage before the run
-        stops."""
+        stops. ``lease_ttl_s``: how long this client's admissions outlive its last heartbeat
+        (``leases``). ``session``: the name its holders are counted under (None: a new one)."""
         self.admission = Admission(groups_per_step, max_staleness)
         if claim_idle_s < 0:
             raise ValueError(f"claim_idle_s={claim_idle_s}: must be >= 0")
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s={lease_ttl_s}: must be > 0")
         self.run = run
         self.keys = RunKeys.of(run)
         self.consumer = consumer
@@ -101,11 +127,16 @@ class RedisBuffer(ReplayBuffer):
         self.trim_acked = trim_acked
         self.url = redis_url
         self.outage_s = outage_s
+        self.lease_ttl_s = lease_ttl_s
+        self.session = session or new_session()
         self._r = client if client is not None else connect(redis_url, outage_s)
         self._lua = Scripts(self._r)
         k = self.keys
-        self._admit_keys = [k.stats, k.holders]  # ADMIT, CANCEL, RELEASE
-        self._put_keys = [k.stats, k.ids, k.groups, k.queued, k.holders, k.minv]
+        self._admit_keys = [k.stats, k.holders, k.leases]  # ADMIT, CANCEL, RELEASE, LEASE
+        self._put_keys = [k.stats, k.ids, k.groups, k.queued, k.holders, k.minv, k.leases]
+        self._heartbeat = Heartbeat(self._beat, lease_ttl_s / 3,
+                                    f"redis-buffer-{run}-leases")
+        self._next_reap = 0.0
         # Awaitable replica calls: one writer per event loop, made by its first call.
         self._writers: PerLoop[LoopWriter] = PerLoop(self._writer)
         self._closing: set[asyncio.Task[None]] = set()  # writers closing on their own loop
@@ -129,7 +160,8 @@ class RedisBuffer(ReplayBuffer):
         learner-side state (held and outstanding entries) stays with the sender."""
         b, eta = self.admission.groups_per_step, self.admission.max_staleness
         return (RedisBuffer, (self.url, self.run, b, eta, self.consumer, (),
-                              self.claim_idle_ms / 1000, self.trim_acked, None, self.outage_s))
+                              self.claim_idle_ms / 1000, self.trim_acked, None, self.outage_s,
+                              self.lease_ttl_s, self.session))
 
     def _init_keys(self) -> None:
         b, eta = self.admission.groups_per_step, self.admission.max_staleness
@@ -142,8 +174,9 @@ class RedisBuffer(ReplayBuffer):
         have_b, have_eta = int(stored[0]), int(stored[1])
         if (have_b, have_eta) != (b, eta):
             raise ConfigError(
-                f"buffer.run={self.run!r} at {self.url} was created with groups_per_step="
-                f"{have_b}, max_staleness={have_eta}; this process has groups_per_step={b}, "
+                f"buffer.run={self.run!r} at {redact_url(self.url)} was created with "
+                f"groups_per_step={have_b}, max_staleness={have_eta}; this process has "
+                f"groups_per_step={b}, "
                 f"max_staleness={eta} (task.train_batch_size, buffer.max_staleness): use "
                 "another buffer.run, or purge this one"
             )
@@ -155,50 +188,74 @@ class RedisBuffer(ReplayBuffer):
     # in flight, a round trip carries several puts and admissions.
     @outage_is_fatal
     def try_admit(self, holder: str = "") -> bool:
-        return bool(self._lua.admit(keys=self._admit_keys, args=[holder]))
+        return bool(self._lua.admit(keys=self._admit_keys, args=self._admit_args(holder, 1)))
 
     def atry_admit(self, holder: str = "") -> Awaitable[bool]:
-        return self._submit(self._lua.admit, [holder])
+        return self._submit(self._lua.admit, self._admit_args(holder, 1))
 
     @outage_is_fatal
     def admit_up_to(self, n: int, holder: str = "") -> int:
-        return int(self._lua.admit_many(keys=self._admit_keys, args=[holder, n]))
+        return int(self._lua.admit_many(keys=self._admit_keys, args=self._admit_args(holder, n)))
 
     def aadmit_up_to(self, n: int, holder: str = "") -> Awaitable[int]:
-        return self._submit(self._lua.admit_many, [holder, n])
+        return self._submit(self._lua.admit_many, self._admit_args(holder, n))
 
     @outage_is_fatal
     def cancel_admission(self, holder: str = "") -> None:
         try:
-            self._lua.cancel(keys=self._admit_keys, args=[holder])
+            self._lua.cancel(keys=self._admit_keys, args=[held_as(holder, self.session)])
         except redis.ResponseError as exc:
             raise ValueError(str(exc)) from exc
 
     def acancel_admission(self, holder: str = "") -> Awaitable[None]:
-        return self._submit(self._lua.cancel, [holder])
+        return self._submit(self._lua.cancel, [held_as(holder, self.session)])
 
     @outage_is_fatal
     def release(self, holder: str) -> int:
-        return int(self._lua.release(keys=self._admit_keys, args=[holder]))
+        held = held_as(holder, self.session)
+        self._heartbeat.drop(held)
+        return int(self._lua.release(keys=self._admit_keys, args=[held]))
 
     @outage_is_fatal
     def put(self, group: Group, holder: str = "") -> None:
-        self._lua.put(keys=self._put_keys, args=put_args(group, holder, admit_next=False))
+        self._lua.put(keys=self._put_keys, args=put_args(group, holder, self.session, 0))
 
     def aput(self, group: Group, holder: str = "") -> Awaitable[None]:
-        return self._submit(self._lua.put, put_args(group, holder, admit_next=False))
+        return self._submit(self._lua.put, put_args(group, holder, self.session, 0))
 
     @outage_is_fatal
     def put_and_admit(self, group: Group, holder: str = "") -> bool:
-        reply = self._lua.put(keys=self._put_keys, args=put_args(group, holder, admit_next=True))
+        reply = self._lua.put(keys=self._put_keys, args=self._put_admit_args(group, holder))
         return admitted(reply, 0)
 
     def aput_and_admit(self, group: Group, holder: str = "") -> Awaitable[bool]:
-        return self._submit(self._lua.put, put_args(group, holder, admit_next=True))
+        return self._submit(self._lua.put, self._put_admit_args(group, holder))
+
+    def _admit_args(self, holder: str, n: int) -> list[Any]:
+        """ADMIT's arguments; from here on this client's heartbeat renews the holder's lease."""
+        held = held_as(holder, self.session)
+        self._heartbeat.hold(held)
+        return [held, n, self.lease_ttl_s]
+
+    def _put_admit_args(self, group: Group, holder: str) -> list[Any]:
+        """A put that claims the holder's next slot, leased like ``_admit_args``'s."""
+        self._heartbeat.hold(held_as(holder, self.session))
+        return put_args(group, holder, self.session, self.lease_ttl_s)
+
+    def _beat(self, renew: list[str]) -> None:
+        """Renew the leases of ``renew`` and reclaim the slots of holders whose lease is not
+        live (one LEASE script), logging each reclaim."""
+        reply = self._lua.lease(keys=self._admit_keys, args=[self.lease_ttl_s, *renew])
+        for holder, slots in zip(reply[::2], reply[1::2]):
+            if int(slots):
+                log.warning("buffer %s: reclaimed %d admission slot(s) of holder %s: its "
+                            "lease expired (its process stopped renewing it: it died, or "
+                            "stalled past buffer.lease_ttl_s)", self.run, int(slots),
+                            text(holder))
 
     def _writer(self, loop: asyncio.AbstractEventLoop) -> LoopWriter:
         return LoopWriter(loop, connect_async(self.url, self.outage_s), self._send, self.run,
-                          self.url)
+                          redact_url(self.url))
 
     def _submit(self, script: Script, args: list[Any]) -> asyncio.Future[Any]:
         """Queue one script call for this event loop's writer; the call is under way when this
@@ -281,6 +338,7 @@ class RedisBuffer(ReplayBuffer):
                         self._held.append(entry)
                 if len(self._held) >= n:
                     break
+                self._reap()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(
                         f"take: {n} groups wanted, {len(self._held)} ready after {timeout} s "
@@ -298,6 +356,14 @@ class RedisBuffer(ReplayBuffer):
                 self._published = learner_version  # CONSUME raised it too
         batch.sort(key=lambda e: (sys.maxsize if e.oldest is None else e.oldest, e.eid))
         return [entry.group for entry in batch]
+
+    def _reap(self) -> None:
+        """While the learner waits: reclaim the slots of dead holders (at most once every
+        ``REAP_EVERY_S``), which may be what it waits for."""
+        now = time.monotonic()
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_EVERY_S
+            self._beat([])
 
     def _read(self, count: int, block_ms: int | None, learner_version: int
               ) -> list[tuple[bytes, Fields | None, bool]]:
@@ -422,10 +488,10 @@ class RedisBuffer(ReplayBuffer):
         self._published = max(self._published, int(stored))
 
     @outage_is_fatal
-    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str],
-                in_flight: int) -> None:
+    def _rebase(self, learner_version: int, consumed: int, skip_ids: set[str]) -> None:
         """This learner claims every pending entry, acks the ones in ``skip_ids`` and requeues
-        the rest; call it from the only live learner."""
+        the rest; the admissions of holders with a live lease are kept, the others dropped.
+        Call it from the only live learner."""
         with self._lock:
             self._skip |= skip_ids
             cursor: bytes = b"0-0"
@@ -446,10 +512,15 @@ class RedisBuffer(ReplayBuffer):
             self._recover_from, self._claim_from = b"0", b"0-0"
             self._published = learner_version
             b, eta = self.admission.groups_per_step, self.admission.max_staleness
-            self._lua.rebase(
-                keys=[self.keys.stats, self.keys.queued, self.keys.taken, self.keys.holders],
-                args=[learner_version, consumed, in_flight, b, eta],
+            k = self.keys
+            _, kept, live, dropped, gone = self._lua.rebase(
+                keys=[k.stats, k.queued, k.taken, k.holders, k.leases],
+                args=[learner_version, consumed, b, eta],
             )
+            if kept or dropped:
+                log.info("buffer %s: rebase kept %d admission slot(s) of %d live holder(s) "
+                         "and dropped %d of %d holder(s) that are gone", self.run, kept, live,
+                         dropped, gone)
 
     @outage_is_fatal
     def stats(self) -> BufferStats:
@@ -475,9 +546,11 @@ class RedisBuffer(ReplayBuffer):
 
     def close(self) -> None:
         """Send the queued awaitable replica calls (waiting up to ``outage_s`` plus the read
-        timeout; calls still unsent then fail, each with an error its caller sees), then
-        disconnect. Called on the writer's own loop, it cannot wait: the writer disconnects
-        once its queue is sent. The buffer stays usable: a later call reconnects."""
+        timeout; calls still unsent then fail, each with an error its caller sees), end this
+        client's leases (slots its holders still hold are reclaimed by the next heartbeat or
+        waiting learner), then disconnect. Called on the writer's own loop, it cannot wait: the
+        writer disconnects once its queue is sent. The buffer stays usable: a later call
+        reconnects, and a later admission leases again."""
         writers = self._writers.take_all()
         timeout_s = self.outage_s + READ_TIMEOUT_S
         here = _running_loop()
@@ -497,6 +570,12 @@ class RedisBuffer(ReplayBuffer):
                 closing.close()
                 log.warning("buffer %s: close() left the writer of a stopped event loop "
                             "open (call it from that loop, or await aclose() there)", self.run)
+        if leased := self._heartbeat.stop():
+            try:
+                self._r.zrem(self.keys.leases, *leased)
+            except redis.RedisError as exc:  # closing must not fail for it: they expire
+                log.warning("buffer %s: could not end this client's leases (%s); they expire "
+                            "in buffer.lease_ttl_s=%g s", self.run, exc, self.lease_ttl_s)
         self._r.close()
 
     async def aclose(self) -> None:

@@ -3,8 +3,9 @@
 Parts: ``connect`` (the checked sync client) and ``connect_async`` (a writer's), both retrying
 every command through a restart or outage for ``outage_s`` wall seconds (``RetryFor``);
 ``outage_is_fatal`` and ``outage_error`` (an outage longer than that stops the run with one line
-naming the URL); ``exchange`` / ``exchange_now`` (a batch of raw commands in one round trip,
-without redis-py's pipeline bookkeeping). Depends on redis-py and errors only.
+naming the URL, its password masked); ``exchange`` / ``exchange_now`` (a batch of raw commands in
+one round trip, without redis-py's pipeline bookkeeping). Depends on redis-py, errors and logs
+(``redact_url``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from streamrl.errors import ConfigError, RunStopped
+from streamrl.logs import redact_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,8 +35,8 @@ RETRY_BACKOFF_CAP_S = 1.0
 
 
 def outage_error(url: str, outage_s: float, exc: Exception) -> RunStopped:
-    return RunStopped(f"buffer.redis_url={url!r}: Redis unreachable for "
-                      f"buffer.redis_outage_s={outage_s:g} ({exc})")
+    return RunStopped(f"buffer.redis_url={redact_url(url)!r}: Redis unreachable for "
+                      f"buffer.redis_outage_s={outage_s:g} ({redact_url(str(exc))})")
 
 
 def outage_is_fatal(method: F) -> F:
@@ -59,13 +61,14 @@ def connect(url: str, outage_s: float = 60.0) -> redis.Redis:
         probe = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                      socket_timeout=CONNECT_TIMEOUT_S)
     except ValueError as exc:
-        raise ConfigError(f"buffer.redis_url={url!r}: {exc}, e.g. redis://127.0.0.1:6379/0"
-                          ) from exc
+        raise ConfigError(f"buffer.redis_url={redact_url(url)!r}: {redact_url(str(exc))}, "
+                          "e.g. redis://127.0.0.1:6379/0") from None
     try:
         probe.ping()  # without retries: a wrong URL fails now, not after outage_s
     except redis.RedisError as exc:
-        raise ConfigError(f"buffer.redis_url={url!r}: no Redis answers there ({exc}): start "
-                          "redis-server, or point buffer.redis_url at one") from exc
+        raise ConfigError(f"buffer.redis_url={redact_url(url)!r}: no Redis answers there "
+                          f"({redact_url(str(exc))}): start redis-server, or point "
+                          "buffer.redis_url at one") from None
     finally:
         probe.close()
     return redis.Redis.from_url(

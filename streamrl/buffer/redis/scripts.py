@@ -2,13 +2,20 @@
 it counts; ``Scripts`` registers them on a client.
 
 One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``RELEASE``, ``PUT``,
-``SET_VERSION``, ``TAKE``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``), each prefixed with the
-shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter, ``capacity`` is the
-staleness bound, ``set_queued`` sets ``queued`` from the queued set, ``settle`` retires one of a
-holder's admissions, ``chunked`` makes one variadic call per thousand items, ``count_taken``
-counts taken entries as consumed) and documented with its KEYS, ARGV and reply. Key names are
-those of ``wire.RunKeys``: stats holders and minv (hashes), ids / queued / taken (sets), groups /
-dead (streams).
+``SET_VERSION``, ``TAKE``, ``CONSUME``, ``DISCARD``, ``ACK``, ``REBASE``, ``LEASE``), each
+prefixed with the shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter,
+``capacity`` is the staleness bound, ``set_queued`` sets ``queued`` from the queued set,
+``settle`` retires one of a holder's admissions, ``clock`` is Redis's time, ``chunked`` makes one
+variadic call per thousand items, ``count_taken`` counts taken entries as consumed, ``gone``
+lists the holders whose lease is not live) and documented with its KEYS, ARGV and reply. Key
+names are those of ``wire.RunKeys``: stats holders and minv (hashes), ids / queued / taken
+(sets), leases (sorted set), groups / dead (streams).
+
+Leases: every script that claims a slot (ADMIT, PUT with admit_next) also sets its holder's
+lease in the same step, to Redis's clock plus the claimer's lease seconds; LEASE renews them and
+reclaims the slots of every holder whose lease is not live (expired, or removed when its client
+closed), and REBASE keeps only the slots of holders whose lease is live. Redis's clock, not the
+clients', so hosts whose clocks disagree still agree on who is gone.
 
 Dependencies: redis-py (``Script``); the backend and its writer are the only users.
 """
@@ -33,6 +40,10 @@ local function capacity(h)
   return (tonumber(s[1] or '0') + tonumber(s[3] or '0') + 1) * tonumber(s[2] or '0')
 end
 local function set_queued(h, q) redis.call('HSET', h, 'queued', redis.call('SCARD', q)) end
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
 -- Retire one of a holder's admissions: false when it holds none.
 local function settle(h, holders, holder)
   if num(holders, holder) <= 0 then return false end
@@ -57,6 +68,22 @@ local function chunked(cmd, key, arg, items)
     end
   end
   return out, sum
+end
+-- The holders (with their slots) whose lease is not live at `now`: expired, or never set or
+-- removed (a client that closed); a holder with a live lease is alive.
+local function gone(holders, leases, now)
+  local flat = redis.call('HGETALL', holders)
+  local names, out = {}, {}
+  for i = 1, #flat, 2 do names[#names + 1] = flat[i] end
+  local expiry = chunked('ZMSCORE', leases, false, names)
+  for i, name in ipairs(names) do
+    local t = tonumber(expiry[i])
+    if t == nil or t <= now then
+      out[#out + 1] = name
+      out[#out + 1] = tonumber(flat[2 * i])
+    end
+  end
+  return out
 end
 -- Count taken entries as consumed, once each (a crash can deliver one twice), with their
 -- staleness; ids (distinct) and stalenesses are parallel lists. Returns how many were newly
@@ -99,8 +126,8 @@ end
 INIT = _HELPERS + """
 local h = KEYS[1]
 for _, f in ipairs({'learner_version', 'produced', 'consumed', 'queued', 'started', 'in_flight',
-                    'dropped', 'refused', 'malformed', 'staleness_sum', 'staleness_count',
-                    'staleness_max', 'staleness_mean'}) do
+                    'dropped', 'refused', 'malformed', 'reclaimed', 'staleness_sum',
+                    'staleness_count', 'staleness_max', 'staleness_mean'}) do
   redis.call('HSETNX', h, f, 0)
 end
 redis.call('HSETNX', h, 'groups_per_step', ARGV[1])
@@ -110,16 +137,18 @@ return redis.call('HMGET', h, 'groups_per_step', 'max_staleness')
 """
 
 # The bound, checked and claimed in one step against the learner version read in the same step.
-# KEYS: stats holders; ARGV: holder, [n = 1].
+# KEYS: stats holders leases; ARGV: holder n lease_s.
 # Claims min(n, capacity - started) slots (started, in_flight and the holder's count rise by
-# as many) and returns how many: 0 when the bound is reached.
+# as many), sets the holder's lease to now + lease_s, and returns how many: 0 when the bound is
+# reached.
 ADMIT = _HELPERS + """
 local h = KEYS[1]
-local n = math.min(tonumber(ARGV[2] or '1'), capacity(h) - num(h, 'started'))
+local n = math.min(tonumber(ARGV[2]), capacity(h) - num(h, 'started'))
 if n > 0 then
   redis.call('HINCRBY', h, 'started', n)
   redis.call('HINCRBY', h, 'in_flight', n)
   redis.call('HINCRBY', KEYS[2], ARGV[1], n)
+  redis.call('ZADD', KEYS[3], clock() + tonumber(ARGV[3]), ARGV[1])
   touch(h)
   return n
 end
@@ -127,7 +156,7 @@ return 0
 """
 
 # Give back a slot ADMIT claimed (the replica will not put its group).
-# KEYS: stats holders; ARGV: holder. Returns 1; an error reply when the holder holds none.
+# KEYS: stats holders [leases]; ARGV: holder. Returns 1; an error reply when the holder holds none.
 CANCEL = _HELPERS + """
 local h = KEYS[1]
 if not settle(h, KEYS[2], ARGV[1]) then
@@ -139,12 +168,13 @@ touch(h)
 return 1
 """
 
-# Give back every slot a holder still holds (its replica died).
-# KEYS: stats holders; ARGV: holder. Returns how many slots were given back.
+# Give back every slot a holder still holds (its replica died) and end its lease.
+# KEYS: stats holders leases; ARGV: holder. Returns how many slots were given back.
 RELEASE = _HELPERS + """
 local h = KEYS[1]
 local n = num(KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
 if n > 0 then
   redis.call('HINCRBY', h, 'in_flight', -n)
   redis.call('HINCRBY', h, 'started', -n)
@@ -158,15 +188,17 @@ return n
 # queued (one of its holder's admissions is settled; a put without one takes a fresh slot, so
 # started = consumed + queued + in_flight); count each for its producer ('produced:<p>', and
 # 'version:<p>' its min_version: how far behind the learner that producer samples). A group may
-# also claim its holder's next slot (admit_next '1'), as ADMIT would, right after its put: a
-# replica's put and its next admission are one round trip. A batch of groups is one call (the
+# also claim its holder's next slot (admit_next: the lease seconds, '0': no claim), as ADMIT
+# would, lease included, right after its put: a replica's put and its next admission are one
+# round trip. A batch of groups is one call (the
 # buffer's writer sends every put queued meanwhile at once, at most PUT_BATCH): one XADD per
 # group; the sets, the minv hash and the counters are written once per batch. The groups' bytes
 # pass through Lua, which since Redis 7.0 hashes every byte of a string it is given
 # (redis/redis#9449): about 1.1 us per KiB, 9 of PUT's 22 us per 8 KiB group. An XADD outside
 # the script would not cost it, but then no one-round-trip put could skip a group put before.
-# KEYS: stats ids groups queued holders minv (entry id -> min_version, for TAKE);
+# KEYS: stats ids groups queued holders minv (entry id -> min_version, for TAKE) leases;
 # ARGV: 6 per group: group_id min_version (-1: none) data holder producer ('': none) admit_next.
+# A holder is ``<name>@<client session>`` (wire.put_args); the entry records its name only.
 # Returns a string of 2 characters per group: put ('1', or '0' when group_id was put before:
 # put is idempotent) and admitted ('1' when admit_next claimed a slot, else '0'); one bulk
 # string, not an array of 2 per group, because the client parses each array element apart.
@@ -174,7 +206,7 @@ PUT = _HELPERS + """
 local h, holders = KEYS[1], KEYS[5]
 local bound, started = capacity(h), num(h, 'started')
 local started0, in_flight, produced = started, 0, 0
-local held, held0, by_producer, last_version = {}, {}, {}, {}
+local held, held0, by_producer, last_version, leased = {}, {}, {}, {}, {}
 local gids = {}
 for i = 1, #ARGV, 6 do gids[#gids + 1] = ARGV[i] end
 local seen = redis.call('SMISMEMBER', KEYS[2], unpack(gids))
@@ -190,7 +222,7 @@ for k, gid in ipairs(gids) do
   if seen[k] == 0 and not batch[gid] then  -- the same group twice in a batch: the first counts
     batch[gid] = true
     local id = redis.call('XADD', KEYS[3], '*', 'group_id', gid, 'min_version', mv,
-                          'data', ARGV[i + 2], 'holder', holder)
+                          'data', ARGV[i + 2], 'holder', string.match(holder, '^(.*)@') or holder)
     new_gids[#new_gids + 1] = gid
     new_ids[#new_ids + 1] = id
     versions[#versions + 1] = id
@@ -208,10 +240,12 @@ for k, gid in ipairs(gids) do
     end
     put = 1
   end
-  if ARGV[i + 5] == '1' and started < bound then  -- the bound, as ADMIT checks it
+  local lease_s = tonumber(ARGV[i + 5])
+  if lease_s > 0 and started < bound then  -- the bound, as ADMIT checks it
     started = started + 1
     in_flight = in_flight + 1
     held[holder] = held[holder] + 1
+    leased[holder] = lease_s
     admitted = 1
   end
   out[#out + 1] = put
@@ -230,6 +264,10 @@ for holder, n in pairs(held) do
     if n == 0 then redis.call('HDEL', holders, holder)
     else redis.call('HINCRBY', holders, holder, n - held0[holder]) end
   end
+end
+if next(leased) then
+  local now = clock()
+  for holder, lease_s in pairs(leased) do redis.call('ZADD', KEYS[7], now + lease_s, holder) end
 end
 if started ~= started0 then redis.call('HINCRBY', h, 'started', started - started0) end
 if in_flight ~= 0 then redis.call('HINCRBY', h, 'in_flight', in_flight) end
@@ -387,21 +425,60 @@ touch(KEYS[1])
 return n
 """
 
-# After a restart from a checkpoint: requeue taken-not-trained entries, reset the counters.
-# KEYS: stats queued taken holders; ARGV: version consumed in_flight groups_per_step
-# max_staleness.
-# Returns the number of queued entries.
+# After a restart from a checkpoint: requeue taken-not-trained entries, drop the slots of holders
+# that are gone (lease not live), keep those of live ones (a streamrl serve that outlived the
+# trainer), reset the counters.
+# KEYS: stats queued taken holders leases; ARGV: version consumed groups_per_step max_staleness.
+# Returns {queued, slots kept, holders kept, slots dropped, holders dropped}.
 REBASE = _HELPERS + """
 local h = KEYS[1]
-if tonumber(ARGV[3]) == 0 then redis.call('DEL', KEYS[4]) end  -- no replica holds a slot
+local now = clock()
+local dead = gone(KEYS[4], KEYS[5], now)
+local dropped = 0
+for i = 1, #dead, 2 do
+  redis.call('HDEL', KEYS[4], dead[i])
+  dropped = dropped + dead[i + 1]
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local kept, live = 0, 0
+for _, n in ipairs(redis.call('HVALS', KEYS[4])) do
+  kept = kept + tonumber(n)
+  live = live + 1
+end
 redis.call('SUNIONSTORE', KEYS[2], KEYS[2], KEYS[3])  -- taken, not trained: deliver again
 redis.call('DEL', KEYS[3])
 local q = redis.call('SCARD', KEYS[2])
-redis.call('HSET', h, 'learner_version', ARGV[1], 'consumed', ARGV[2], 'in_flight', ARGV[3],
-           'queued', q, 'started', tonumber(ARGV[2]) + q + tonumber(ARGV[3]),
-           'groups_per_step', ARGV[4], 'max_staleness', ARGV[5])
+redis.call('HSET', h, 'learner_version', ARGV[1], 'consumed', ARGV[2], 'in_flight', kept,
+           'queued', q, 'started', tonumber(ARGV[2]) + q + kept,
+           'groups_per_step', ARGV[3], 'max_staleness', ARGV[4])
 touch(h)
-return q
+return {q, kept, live, dropped, #dead / 2}
+"""
+
+# A client's heartbeat: renew its holders' leases, then reclaim the slots of every holder whose
+# lease is not live (its process died: no heartbeat for its lease seconds), counted as
+# 'reclaimed'; leases long expired are forgotten.
+# KEYS: stats holders leases; ARGV: lease_s, then the holders to renew (none: only reclaim).
+# Returns {holder, slots, ...}: the holders whose slots were reclaimed (the caller logs them:
+# this is atomic, so each reclaim is seen by one client only).
+LEASE = _HELPERS + """
+local h = KEYS[1]
+local now = clock()
+for i = 2, #ARGV do redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), ARGV[i]) end
+local dead = gone(KEYS[2], KEYS[3], now)
+local total = 0
+for i = 1, #dead, 2 do
+  redis.call('HDEL', KEYS[2], dead[i])
+  total = total + dead[i + 1]
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if total > 0 then
+  redis.call('HINCRBY', h, 'in_flight', -total)
+  redis.call('HINCRBY', h, 'started', -total)
+  redis.call('HINCRBY', h, 'reclaimed', total)
+  touch(h)
+end
+return dead
 """
 
 
@@ -416,6 +493,7 @@ class Scripts:
         self.release = s(RELEASE)
         self.set_version, self.consume, self.take = s(SET_VERSION), s(CONSUME), s(TAKE)
         self.discard, self.ack, self.rebase = s(DISCARD), s(ACK), s(REBASE)
+        self.lease = s(LEASE)
 
 
 def script_result(script: Script, keys: list[str], args: list[Any], reply: Any) -> Any:

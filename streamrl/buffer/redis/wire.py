@@ -32,6 +32,7 @@ class RunKeys:
     taken: str
     holders: str
     minv: str
+    leases: str
 
     @classmethod
     def of(cls, run: str) -> RunKeys:
@@ -39,7 +40,7 @@ class RunKeys:
             raise ConfigError(f"buffer.run={run!r}: use letters, digits, '_', '.', '-' only")
         p = f"streamrl:{run}:"
         return cls(p + "groups", p + "stats", p + "dead", p + "ids", p + "queued", p + "taken",
-                   p + "holders", p + "minv")
+                   p + "holders", p + "minv", p + "leases")
 
 
 def text(value: Any) -> str:
@@ -53,11 +54,19 @@ def producer(holder: str) -> str:
     return holder.rpartition(".")[0] or holder
 
 
-def put_args(group: Group, holder: str, admit_next: bool) -> list[Any]:
-    """The PUT script's six arguments for one group (encoded here, on the caller's thread)."""
+def held_as(holder: str, session: str) -> str:
+    """How Redis counts ``holder``'s admissions: under its name and its client's session, so
+    ``replica-0.0`` of a restarted trainer is not taken for the one that died with the previous
+    trainer, nor two ``streamrl serve`` processes (both admit as "") for one another."""
+    return f"{holder}@{session}"
+
+
+def put_args(group: Group, holder: str, session: str, lease_s: float) -> list[Any]:
+    """The PUT script's six arguments for one group (encoded here, on the caller's thread);
+    ``lease_s`` > 0 also claims the holder's next slot, leased for that long."""
     oldest = expect_group(group).min_version
-    return [group.group_id, -1 if oldest is None else oldest, encode(group), holder,
-            producer(holder), int(admit_next)]
+    return [group.group_id, -1 if oldest is None else oldest, encode(group),
+            held_as(holder, session), producer(holder), lease_s]
 
 
 def id_order(eid: bytes) -> tuple[int, int]:
