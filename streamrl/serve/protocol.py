@@ -24,7 +24,12 @@ import msgspec
 
 
 class RequestError(ValueError):
-    """A request the service refuses with 400; the message names the field."""
+    """A request the service refuses (400 unless said: 413 for a body over the limit); the
+    message names the field."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -87,6 +92,8 @@ def _check(request: Any) -> None:
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise RequestError(f"top_p: {top_p} must be in (0, 1]")
     if isinstance(request, ChatRequest):
+        if not request.messages:
+            raise RequestError("messages: must hold at least one message")
         if request.top_logprobs not in (None, 0):
             raise RequestError(f"top_logprobs: {request.top_logprobs} is not supported (0 only:"
                                " the sampled token's log-prob)")

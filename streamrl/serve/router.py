@@ -2,7 +2,8 @@
 
 An episode's calls go to the replica that served its first call, so the engine's prefix cache
 holds the episode's tokens; a new episode goes to the replica with the fewest calls in flight.
-A replica that fails a call is skipped for new episodes for ``cooldown_s``.
+A replica that fails a call is skipped for new episodes for ``cooldown_s``. A cancelled call
+(the client went away) cancels the replica's request, so the engine stops sampling it.
 
 Backends: ``ActorBackend`` (a replica Ray actor of the runtime: ``sample`` and the streaming
 ``sample_stream``) and ``LocalBackend`` (a ``Replica`` in this process, for tests and
@@ -11,6 +12,7 @@ embedding). Depends on engine.py (SamplingParams, Completion, TokenSink).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -45,18 +47,36 @@ class ActorBackend:
     async def sample(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
                      on_tokens: TokenSink | None = None) -> Completion:
         if on_tokens is None:
-            return await self.actor.sample.remote(prompt_ids, params, request_id)
+            ref = self.actor.sample.remote(prompt_ids, params, request_id)
+            try:
+                return await ref
+            except asyncio.CancelledError:
+                _cancel(ref)
+                raise
         stream = self.actor.sample_stream.options(num_returns="streaming").remote(
             prompt_ids, params, request_id)
-        async for ref in stream:
-            item = await ref
-            if isinstance(item, Completion):
-                return item
-            on_tokens(item)
+        try:
+            async for ref in stream:
+                item = await ref
+                if isinstance(item, Completion):
+                    return item
+                on_tokens(item)
+        except asyncio.CancelledError:
+            _cancel(stream)
+            raise
         raise RuntimeError(f"{self.name}: stream for {request_id} ended without a completion")
 
     async def version(self) -> int:
         return int(await self.actor.version.remote())
+
+
+def _cancel(task: Any) -> None:
+    """Cancel a replica actor's task: awaiting its reference stops only the wait, and the
+    engine would go on sampling for a client that went away (an async actor's task is
+    cancelled like an asyncio task; the engine aborts the request)."""
+    import ray
+
+    ray.cancel(task)
 
 
 class LocalBackend:

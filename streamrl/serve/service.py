@@ -1,21 +1,32 @@
 """The service behind the HTTP routes: one call = plan (episode store) -> sample (router) ->
 record (episode store) -> OpenAI answer.
 
-``Service.chat`` / ``Service.completion`` take decoded requests, the episode id the client
-named (``X-Episode-Id`` header or ``user`` field; none: the call is served but not recorded,
-counted as ``unrecorded``) and the group it declared (``X-Group-Id``: episodes of one group
-share one admission slot). Recorded calls sample with the rollout's temperature / top-p / top-k
-(the trainer scores log-probs under them), so a request asking for other values is refused with
-a message naming the field. ``Service.close`` closes an episode, ``Service.tick`` expires idle
-episodes and late groups, ``Service.metrics_text`` is /metrics in Prometheus text.
+``Service.chat`` / ``Service.completion`` take decoded requests and a ``Caller``: the episode
+id the client named (``X-Episode-Id`` header or ``user`` field; none: the call is served but not
+recorded, counted as ``unrecorded``), the group it declared (``X-Group-Id``: episodes of one
+group share one admission slot), the client's address (per-client episode limit) and its
+``Idempotency-Key`` (a retry gets the first answer). Recorded calls sample with the rollout's
+temperature / top-p / top-k (the trainer scores log-probs under them), so a request asking for
+other values is refused with a message naming the field. ``Service.close`` closes an episode,
+``Service.refresh`` expires idle episodes and late groups and does the buffer I/O owed,
+``Service.metrics_text`` is /metrics in Prometheus text.
 
-All episode-store calls run on the event loop thread (the store is not thread-safe). Depends on
-episodes, protocol, router, the agent parser and renderer, engine.py and config.py.
+One call, as it runs:
+    plan      store.begin_* (the new episode's slot taken first with ``atry_admit``)
+    sample    a task: router -> replica -> engine; cancelled when the client goes away (the
+              engine aborts the request, the episode stays as it was)
+    record    store.commit, keeping the answer under the call's Idempotency-Key
+    answer    a JSON object, or SSE chunks read from the task
+
+All episode-store calls run on the event loop thread (the store is not thread-safe); buffer
+calls are awaited (``atry_admit``, ``aput``, ``acancel_admission``), never run on the loop.
+Depends on episodes, protocol, router, the agent parser and renderer, engine.py and config.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -23,13 +34,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from streamrl.config import Config
 from streamrl.rollout_fleet.agent.parsers import get_parser
-from streamrl.rollout_fleet.engine import Completion, SamplingParams, arriving
+from streamrl.rollout_fleet.engine import Completion, SamplingParams, TokenSink, arriving
 from streamrl.serve import protocol
-from streamrl.serve.episodes import AtCapacity, Call, EpisodeStore
+from streamrl.serve.episodes import AtCapacity, BufferUnavailable, Call, EpisodeStore
 from streamrl.serve.protocol import ChatRequest, CompletionRequest, RequestError
 from streamrl.serve.router import Router
 from streamrl.types import new_uid
@@ -37,13 +49,40 @@ from streamrl.types import new_uid
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a call: the episode and group it names (no episode: served, not recorded),
+    the client (its remote address: the per-client episode limit) and its request key
+    (``Idempotency-Key``: a retry gets the first answer)."""
+
+    episode_id: str | None = None
+    group_id: str | None = None
+    client: str = ""
+    key: str | None = None
+
+
 @dataclass
 class Answer:
-    """A sampled call, decoded: what both the plain and the streamed answers are built from."""
+    """A sampled call, decoded: what both the plain and the streamed answers are built from
+    (and what a retried call with the same Idempotency-Key gets back)."""
 
     completion: Completion
     text: str
     prompt_ids: list[int]
+    request_id: str
+    message: dict[str, Any] | None = None
+    """Chat calls: the assistant message returned (and recorded)."""
+    called: bool = False
+    """The message holds tool calls."""
+
+
+@dataclass
+class _Running:
+    """A started call: its answer's id, the sampling task and the token ids it streams."""
+
+    request_id: str
+    task: asyncio.Future[Answer]
+    queue: asyncio.Queue[list[int]]
 
 
 class _Metrics:
@@ -75,6 +114,17 @@ class _Metrics:
                                      "The buffer's learner version", registry=r)
         self.staleness = Gauge("streamrl_serve_staleness",
                                "Weight versions the served policy lags the learner", registry=r)
+        self.tool_call_errors = Counter("streamrl_serve_tool_call_parse_errors",
+                                        "Turns whose tool call did not parse (answered as text)",
+                                        registry=r)
+        self.client_gone = Counter("streamrl_serve_client_gone",
+                                   "Calls whose client went away before the answer (aborted)",
+                                   registry=r)
+        self.replayed = Gauge("streamrl_serve_calls_replayed",
+                              "Retried calls answered from the episode (same Idempotency-Key)",
+                              registry=r)
+        self.put_failures = Gauge("streamrl_serve_put_failures",
+                                  "Group puts the buffer refused (kept and retried)", registry=r)
 
 
 class Service:
@@ -83,6 +133,9 @@ class Service:
         self.cfg = cfg
         self.router = router
         self.store = store
+        # run_serve builds the store with its timeouts; the limits come from the same section.
+        store.max_group_size = cfg.serve.max_group_size
+        store.max_episodes_per_client = cfg.serve.max_episodes_per_client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.renderer = store.renderer
@@ -90,6 +143,8 @@ class Service:
         self.metrics = _Metrics()
         self.version = 0
         self.accepting = True
+        self._parse_error_logged = False
+        self._giving_back: asyncio.Future[None] | None = None
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -134,42 +189,108 @@ class Service:
                                f"max_model_len={self.cfg.rollout.max_model_len} leaves no room")
         return min(asked or limit, room)
 
-    async def _begin(self, episode_id: str, group_id: str | None,
-                     begin: Callable[[bool], Call]) -> Call:
+    async def _start(self, request: ChatRequest | CompletionRequest, caller: Caller,
+                     prefix: str, plan: Callable[[bool, tuple[str, str] | None], Call],
+                     unrecorded_prompt: Callable[[], list[int]], asked: int | None,
+                     tools: bool | None) -> _Running:
+        """Plan a call and start sampling it (a task, so a stream nobody reads still records
+        its turn). A retried call the episode already answered gets that answer back."""
+        call = None
+        if caller.episode_id is None:
+            self.metrics.unrecorded.inc()
+            prompt_ids = unrecorded_prompt()
+        else:
+            key = None
+            if caller.key is not None:
+                fingerprint = hashlib.sha256(msgspec.json.encode(request)).hexdigest()
+                key = (caller.key, fingerprint)
+                replayed = self.store.replay(caller.episode_id, key)
+                if replayed is not None:
+                    done: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+                    done.set_result(replayed)
+                    return _Running(replayed.request_id, done, asyncio.Queue())
+            call = await self._begin(caller, lambda slot: plan(slot, key))
+            prompt_ids = call.prompt_ids
+        params = self._params(request, call, asked, len(prompt_ids))
+        request_id = protocol.new_id(prefix)
+        queue: asyncio.Queue[list[int]] = asyncio.Queue()
+        task = asyncio.ensure_future(self._run(
+            call, caller.episode_id, prompt_ids, params, request_id,
+            queue.put_nowait if request.stream else None, tools))
+        if call is not None:
+            # A callback, not an except clause: a task cancelled before its first step never
+            # runs its body, and the episode would stay busy.
+            task.add_done_callback(lambda t: self._abandon_failed(call, t))
+        return _Running(request_id, task, queue)
+
+    def _abandon_failed(self, call: Call, task: asyncio.Future[Answer]) -> None:
+        """A call that failed or was cancelled (the client went away, the engine aborted it)
+        leaves its episode as it was."""
+        if task.cancelled() or task.exception() is not None:
+            self.store.abandon(call)
+
+    async def _begin(self, caller: Caller, begin: Callable[[bool], Call]) -> Call:
         """Plan a recorded call. The admission slot a new episode needs is taken first, without
         blocking the event loop (``atry_admit``: the buffer call is a round trip; refused:
-        AtCapacity), and given back if the call is refused before its episode opens."""
-        slot = self.store.wants_slot(episode_id, group_id)
-        if slot and not await self.store.buffer.atry_admit():
+        AtCapacity); the store then holds it, or owes it back when the call is refused."""
+        episode_id = caller.episode_id
+        assert episode_id is not None
+        slot = self.store.wants_slot(episode_id, caller.group_id, caller.client)
+        if slot and not await self._admit():
             self.store.counters.admission_refused += 1
             raise AtCapacity(episode_id)
         try:
             return begin(slot)
-        except BaseException:
-            if slot and episode_id not in self.store.episodes:
-                self.store.buffer.cancel_admission()
+        finally:
+            self._give_back_soon()
+
+    async def _admit(self) -> bool:
+        admit = asyncio.ensure_future(self.store.buffer.atry_admit())
+        try:
+            return await asyncio.shield(admit)
+        except asyncio.CancelledError:  # the client went away: a slot claimed anyway goes back
+            admit.add_done_callback(self._return_unused)
             raise
 
-    async def _sample(self, episode_id: str | None, call: Call | None, prompt_ids: list[int],
-                      params: SamplingParams, on_tokens: Any = None) -> Answer:
-        key = episode_id or new_uid()
-        try:
-            completion = await self.router.sample(key, prompt_ids, params, new_uid(), on_tokens)
-        except BaseException:
-            if call is not None:
-                self.store.abandon(call)
-            raise
+    def _return_unused(self, admit: asyncio.Future[bool]) -> None:
+        if not admit.cancelled() and admit.exception() is None and admit.result():
+            self.store.owe(1)
+            self._give_back_soon()
+
+    def _give_back_soon(self) -> None:
+        """Slots the store owes go back in the background (one task drains them all)."""
+        if self.store.owes and (self._giving_back is None or self._giving_back.done()):
+            self._giving_back = asyncio.ensure_future(self.store.give_back())
+
+    async def _run(self, call: Call | None, episode_id: str | None, prompt_ids: list[int],
+                   params: SamplingParams, request_id: str, on_tokens: TokenSink | None,
+                   tools: bool | None) -> Answer:
+        """Sample, decode and record one call. ``tools``: None for a completions call (no
+        assistant message). Cancelled (the client went away), the engine aborts the request."""
+        completion = await self.router.sample(episode_id or new_uid(), prompt_ids, params,
+                                              new_uid(), on_tokens)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        message, called = self._assistant(text, tools) if tools is not None else (None, False)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         self.metrics.completion_tokens.inc(len(completion.token_ids))
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        return Answer(completion, text, prompt_ids)
+        answer = Answer(completion, text, prompt_ids, request_id, message, called)
+        if call is not None:
+            self.store.commit(call, completion, message, answer)
+        return answer
 
     def _assistant(self, text: str, tools: bool) -> tuple[dict[str, Any], bool]:
         """The assistant message for ``text`` (tool calls parsed when the request has tools)."""
         if not tools:
             return {"role": "assistant", "content": text}, False
         parsed = self.parser.parse(text)
-        if parsed.errors or not parsed.calls:  # ill-formed calls stay visible as text
+        if parsed.errors:  # ill-formed calls stay visible as text; counted, logged once
+            self.metrics.tool_call_errors.inc()
+            if not self._parse_error_logged:
+                self._parse_error_logged = True
+                log.warning("serve: a tool call the model wrote does not parse (%s); answered "
+                            "as text. Counted in streamrl_serve_tool_call_parse_errors, logged "
+                            "once", parsed.errors[0])
+        if parsed.errors or not parsed.calls:
             return {"role": "assistant", "content": text}, False
         calls = [{"id": f"call_{new_uid()[:24]}", "type": "function",
                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
@@ -190,64 +311,54 @@ class Service:
     def _pieces(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]
 
-    async def chat(self, request: ChatRequest, episode_id: str | None,
-                   group_id: str | None = None
+    async def chat(self, request: ChatRequest, caller: Caller
                    ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         """A chat completion (a dict), or with ``stream`` an iterator of chunks."""
         self.metrics.requests.labels("chat").inc()
         messages, tools = request.messages, request.tools or None
-        asked = request.max_completion_tokens or request.max_tokens
-        if episode_id is None:
-            self.metrics.unrecorded.inc()
-            call = None
-            prompt_ids = self.renderer.prompt(list(messages), tools)
-        else:
-            call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_chat(
-                episode_id, messages, tools, group_id, slot))
-            prompt_ids = call.prompt_ids
-        params = self._params(request, call, asked, len(prompt_ids))
-        request_id = protocol.new_id("chatcmpl")
+        running = await self._start(
+            request, caller, "chatcmpl",
+            lambda slot, key: self.store.begin_chat(
+                caller.episode_id or "", messages, tools, caller.group_id, slot, caller.client,
+                key),
+            lambda: self.renderer.prompt(list(messages), tools),
+            request.max_completion_tokens or request.max_tokens, bool(tools))
         if request.stream:
-            return self._chat_stream(request, episode_id, call, prompt_ids, params, request_id)
-        answer = await self._sample(episode_id, call, prompt_ids, params)
-        message, called = self._assistant(answer.text, bool(tools))
-        if call is not None:
-            self.store.commit(call, answer.completion, message)
+            return self._chat_stream(request, caller.episode_id, running)
+        answer = await running.task
+        assert answer.message is not None
         c = answer.completion
         logprobs = (protocol.chat_logprobs(self._pieces(c.token_ids), c.logprobs)
                     if request.logprobs else None)
         return protocol.chat_response(
-            request_id=request_id, model=self.model_name, message=message,
-            finish_reason=_finish(c.finish_reason, called), prompt_tokens=len(prompt_ids),
-            completion_tokens=len(c.token_ids), logprobs=logprobs,
-            extra=self._extra(request, answer, episode_id))
+            request_id=answer.request_id, model=self.model_name, message=answer.message,
+            finish_reason=_finish(c.finish_reason, answer.called),
+            prompt_tokens=len(answer.prompt_ids), completion_tokens=len(c.token_ids),
+            logprobs=logprobs, extra=self._extra(request, answer, caller.episode_id))
 
     async def _chat_stream(self, request: ChatRequest, episode_id: str | None,
-                           call: Call | None, prompt_ids: list[int], params: SamplingParams,
-                           request_id: str) -> AsyncIterator[dict[str, Any]]:
+                           running: _Running) -> AsyncIterator[dict[str, Any]]:
         tools = bool(request.tools)
         chunk = _Chunker(self.tokenizer)
-        queue: asyncio.Queue[list[int]] = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self._sample(episode_id, call, prompt_ids, params, queue.put_nowait))
+        task, request_id = running.task, running.request_id
         try:
             yield protocol.chat_chunk(request_id=request_id, model=self.model_name,
                                       delta={"role": "assistant", "content": ""})
             # With tools the text is held back: a call is only known once the turn is whole.
-            async for ids in arriving(task, queue):
+            async for ids in arriving(task, running.queue):
                 text = chunk.add(ids)
                 if text and not tools:
                     yield protocol.chat_chunk(request_id=request_id, model=self.model_name,
                                               delta={"content": text})
             answer = task.result()
-            message, called = self._assistant(answer.text, tools)
-            if call is not None:
-                self.store.commit(call, answer.completion, message)
+            assert answer.message is not None
             delta: dict[str, Any] = {}
             if tools:
-                delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-                for i, tool_call in enumerate(delta.get("tool_calls", [])):
-                    tool_call["index"] = i
+                delta = {k: v for k, v in answer.message.items()
+                         if k != "role" and v is not None}
+                if "tool_calls" in delta:  # copies: the recorded message stays as returned
+                    delta["tool_calls"] = [{**call, "index": i}
+                                           for i, call in enumerate(delta["tool_calls"])]
             else:
                 rest = answer.text[len(chunk.sent):]
                 delta = {"content": rest} if rest else {}
@@ -256,14 +367,13 @@ class Service:
                         if request.logprobs else None)
             yield protocol.chat_chunk(
                 request_id=request_id, model=self.model_name, delta=delta,
-                finish_reason=_finish(c.finish_reason, called), logprobs=logprobs,
+                finish_reason=_finish(c.finish_reason, answer.called), logprobs=logprobs,
                 extra=self._extra(request, answer, episode_id))
         finally:
             if not task.done():
                 task.cancel()
 
-    async def completion(self, request: CompletionRequest, episode_id: str | None,
-                         group_id: str | None = None
+    async def completion(self, request: CompletionRequest, caller: Caller
                          ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
         self.metrics.requests.labels("completions").inc()
         if isinstance(request.prompt, str):
@@ -278,46 +388,34 @@ class Service:
                                    f"{vocab})")
         if not prompt_ids:
             raise RequestError("prompt: is empty")
-        call = None
-        if episode_id is None:
-            self.metrics.unrecorded.inc()
-        else:
-            call = await self._begin(episode_id, group_id, lambda slot: self.store.begin_tokens(
-                episode_id, prompt_ids, group_id, slot))
-        params = self._params(request, call, request.max_tokens, len(prompt_ids))
-        request_id = protocol.new_id("cmpl")
+        running = await self._start(
+            request, caller, "cmpl",
+            lambda slot, key: self.store.begin_tokens(
+                caller.episode_id or "", prompt_ids, caller.group_id, slot, caller.client, key),
+            lambda: prompt_ids, request.max_tokens, None)
         if request.stream:
-            return self._completion_stream(request, episode_id, call, prompt_ids, params,
-                                           request_id)
-        answer = await self._sample(episode_id, call, prompt_ids, params)
-        if call is not None:
-            self.store.commit(call, answer.completion, None)
+            return self._completion_stream(request, caller.episode_id, running)
+        answer = await running.task
         c = answer.completion
         logprobs = (protocol.completion_logprobs(self._pieces(c.token_ids), c.logprobs)
                     if request.logprobs is not None else None)
         return protocol.completion_response(
-            request_id=request_id, model=self.model_name, text=answer.text,
-            finish_reason=_finish(c.finish_reason, False), prompt_tokens=len(prompt_ids),
-            completion_tokens=len(c.token_ids), logprobs=logprobs,
-            extra=self._extra(request, answer, episode_id))
+            request_id=answer.request_id, model=self.model_name, text=answer.text,
+            finish_reason=_finish(c.finish_reason, False),
+            prompt_tokens=len(answer.prompt_ids), completion_tokens=len(c.token_ids),
+            logprobs=logprobs, extra=self._extra(request, answer, caller.episode_id))
 
     async def _completion_stream(self, request: CompletionRequest, episode_id: str | None,
-                                 call: Call | None, prompt_ids: list[int],
-                                 params: SamplingParams, request_id: str
-                                 ) -> AsyncIterator[dict[str, Any]]:
+                                 running: _Running) -> AsyncIterator[dict[str, Any]]:
         chunk = _Chunker(self.tokenizer)
-        queue: asyncio.Queue[list[int]] = asyncio.Queue()
-        task = asyncio.ensure_future(
-            self._sample(episode_id, call, prompt_ids, params, queue.put_nowait))
+        task, request_id = running.task, running.request_id
         try:
-            async for ids in arriving(task, queue):
+            async for ids in arriving(task, running.queue):
                 text = chunk.add(ids)
                 if text:
                     yield protocol.completion_chunk(request_id=request_id, model=self.model_name,
                                                     text=text, finish_reason=None)
             answer = task.result()
-            if call is not None:
-                self.store.commit(call, answer.completion, None)
             yield protocol.completion_chunk(
                 request_id=request_id, model=self.model_name,
                 text=answer.text[len(chunk.sent):],
@@ -329,14 +427,24 @@ class Service:
 
     # -- episodes, health, metrics ------------------------------------------------------------
 
-    def close(self, episode_id: str, reward: protocol.RewardRequest) -> dict[str, Any]:
+    async def close(self, episode_id: str, reward: protocol.RewardRequest) -> dict[str, Any]:
+        """Close an episode and put its group if that completes it. A put the buffer refuses
+        raises ``BufferUnavailable`` (503); the episode's data is kept and a repeated close
+        tries the put again."""
         self.metrics.requests.labels("reward").inc()
-        return self.store.close(episode_id, reward.reward, reward.group_id, reward.group_size,
-                                reward.turn_rewards)
+        summary = self.store.close(episode_id, reward.reward, reward.group_id,
+                                   reward.group_size, reward.turn_rewards)
+        await self.store.settle(summary["group_id"])
+        return summary
 
     async def refresh(self) -> None:
-        """Periodic upkeep: expire episodes and late groups, read the served version."""
+        """Periodic upkeep: expire episodes, put due groups, give owed slots back, read the
+        served version."""
         self.store.expire()
+        try:
+            await self.store.settle()
+        except BufferUnavailable as exc:  # kept; the next tick tries again
+            log.warning("serve: %s", exc)
         self.version = await self.router.version()
 
     def models(self) -> dict[str, Any]:
@@ -355,6 +463,8 @@ class Service:
         m.episodes.labels("dropped").set(c.episodes_dropped)
         m.segments.set(c.segments_rewritten)
         m.groups.set(c.groups_put)
+        m.replayed.set(c.calls_replayed)
+        m.put_failures.set(c.put_failures)
         m.version.set(self.version)
         if learner_version is not None:
             m.learner_version.set(learner_version)

@@ -6,13 +6,23 @@ built by hand (what an engine returned), so every id can be checked exactly.
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import pytest
 
 from streamrl.buffer.memory import MemoryBuffer
 from streamrl.rollout_fleet.agent.render import ChatRenderer
 from streamrl.rollout_fleet.engine import Completion
-from streamrl.serve.episodes import AtCapacity, EpisodeError, EpisodeStore, canonical
-from streamrl.types import OBSERVATION_VERSION
+from streamrl.serve.episodes import (
+    RESULTS_KEPT,
+    AtCapacity,
+    BufferUnavailable,
+    EpisodeError,
+    EpisodeStore,
+    canonical,
+)
+from streamrl.types import OBSERVATION_VERSION, Group
 
 
 class Clock:
@@ -35,6 +45,18 @@ def make_store(tokenizer, groups_per_step: int = 4, eta: int = 0, clock=None):
     store = EpisodeStore(buffer, ChatRenderer(tokenizer), ttl_s=60, group_timeout_s=30,
                          clock=clock or Clock())
     return store, buffer
+
+
+def close(store: EpisodeStore, episode_id: str, reward: float, **kw: Any) -> dict[str, Any]:
+    """Close, then do the buffer I/O it owes (the service awaits ``settle`` the same way)."""
+    summary = store.close(episode_id, reward, **kw)
+    asyncio.run(store.settle())
+    return summary
+
+
+def expire(store: EpisodeStore) -> None:
+    store.expire()
+    asyncio.run(store.settle())
 
 
 def sampled(tokenizer, text: str, version: int) -> Completion:
@@ -62,7 +84,7 @@ def test_continued_calls_reuse_recorded_tokens_exactly(tokenizer):
     c2 = sampled(tokenizer, "10", version=4)
     store.commit(second, c2, {"role": "assistant", "content": "10"})
 
-    store.close("e1", reward=1.0)
+    close(store, "e1", reward=1.0)
     (group,) = buffer.take(1, learner_version=4)
     (t,) = group.trajectories
     assert t.prompt_ids == first.prompt_ids
@@ -87,9 +109,9 @@ def test_rewritten_history_starts_a_counted_segment(tokenizer):
     assert store.counters.segments_rewritten == 1
     store.commit(again, sampled(tokenizer, "7", 1), {"role": "assistant", "content": "7"})
     # A retried call (the same messages as before the last answer) is a rewrite too.
-    store.begin_chat("e", edited, None).segment.busy = False
+    store.abandon(store.begin_chat("e", edited, None))
     assert store.counters.segments_rewritten == 2
-    summary = store.close("e", reward=0.5)
+    summary = close(store, "e", reward=0.5)
     assert summary["trajectories"] == 2  # both sampled segments are kept, same reward
     (group,) = buffer.take(1, learner_version=1)
     assert [t.extra["episode"]["segment"] for t in group.trajectories] == [0, 1]
@@ -102,7 +124,7 @@ def test_other_tools_or_a_trailing_assistant_message_do_not_continue(tokenizer):
     call = store.begin_chat("e", [USER], tools)
     store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
     history = [USER, {"role": "assistant", "content": "5"}]
-    store.begin_chat("e", [*history, {"role": "user", "content": "x"}], None).segment.busy = False
+    store.abandon(store.begin_chat("e", [*history, {"role": "user", "content": "x"}], None))
     assert store.counters.segments_rewritten == 1
     call = store.begin_chat("e", [USER], tools)
     store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
@@ -126,38 +148,41 @@ def test_groups_close_when_complete_and_give_back_extra_slots(tokenizer):
         call = store.begin_chat(f"e{i}", [USER], None)
         store.commit(call, sampled(tokenizer, str(i), 0), {"role": "assistant", "content": "x"})
     assert buffer.stats().started == 3  # one admission slot per open episode
-    assert not store.close("e0", 0.0, group_id="g", group_size=3)["group_complete"]
-    assert not store.close("e1", 1.0, group_id="g")["group_complete"]
+    assert not close(store, "e0", 0.0, group_id="g", group_size=3)["group_complete"]
+    assert not close(store, "e1", 1.0, group_id="g")["group_complete"]
     assert buffer.stats().queued == 0
-    assert store.close("e2", 2.0, group_id="g")["group_complete"]
+    assert close(store, "e2", 2.0, group_id="g")["group_complete"]
     stats = buffer.stats()
     assert stats.queued == 1 and stats.started == 1  # the group holds one slot, as any group
     (group,) = buffer.take(1, learner_version=0)
     assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0, 2.0]
     assert {t.extra["group"] for t in group.trajectories} == {"g"}
+    # Closing again (a client retrying) gets the first answer; nothing more is put.
+    assert close(store, "e0", 1.0)["group_id"] == "g"
+    assert buffer.stats().queued == 0
     with pytest.raises(EpisodeError, match="not open"):
-        store.close("e0", 1.0)
+        close(store, "never", 1.0)
 
 
 def test_close_checks_its_input(tokenizer):
     store, _ = make_store(tokenizer)
     call = store.begin_chat("e", [USER], None)
     with pytest.raises(EpisodeError, match="still running") as busy:
-        store.close("e", 1.0)
+        close(store, "e", 1.0)
     assert busy.value.status == 409
     store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"})
     with pytest.raises(EpisodeError, match=r"turn_rewards: has 2 values, .* has 1 calls"):
-        store.close("e", 1.0, turn_rewards=[0.1, 0.2])
+        close(store, "e", 1.0, turn_rewards=[0.1, 0.2])
     with pytest.raises(EpisodeError, match="group_size"):
-        store.close("e", 1.0, group_id="g", group_size=0)
+        close(store, "e", 1.0, group_id="g", group_size=0)
     # 1e39 is a finite Python float, but inf in the learner's float32 tensors
     for bad in (float("nan"), 1e39):
         with pytest.raises(EpisodeError, match=r"reward: .* is not finite in float32"):
-            store.close("e", bad)
+            close(store, "e", bad)
         with pytest.raises(EpisodeError, match="turn_rewards: holds a value not finite in"):
-            store.close("e", 1.0, turn_rewards=[bad])
+            close(store, "e", 1.0, turn_rewards=[bad])
     assert store.open_episodes == 1  # nothing lost by a refused close
-    store.close("e", 1.0, turn_rewards=[0.25])
+    close(store, "e", 1.0, turn_rewards=[0.25])
     (group,) = store.buffer.take(1, learner_version=0)
     (t,) = group.trajectories
     assert t.reward == 1.25 and t.token_rewards is not None
@@ -176,7 +201,7 @@ def test_admission_bound_refuses_new_episodes_but_not_open_ones(tokenizer):
     more = [USER, {"role": "assistant", "content": "1"}, {"role": "user", "content": "go"}]
     store.abandon(store.begin_chat("e0", more, None))
     for i in range(2):
-        store.close(f"e{i}", 1.0)
+        close(store, f"e{i}", 1.0)
     buffer.take(2, learner_version=0)
     buffer.set_version(1)  # the learner moved on: two more slots
     store.begin_chat("e2", [USER], None)
@@ -188,13 +213,13 @@ def test_idle_episodes_expire_and_late_groups_are_put(tokenizer):
     for i in range(2):
         call = store.begin_chat(f"e{i}", [USER], None)
         store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
-    store.close("e0", 1.0, group_id="g", group_size=2)
+    close(store, "e0", 1.0, group_id="g", group_size=2)
     clock.now = 31.0  # past the group timeout, within the episode TTL
-    store.expire()
+    expire(store)
     assert buffer.stats().queued == 1 and store.counters.groups_timed_out == 1
     assert store.open_episodes == 1
     clock.now = 100.0
-    store.expire()
+    expire(store)
     assert store.open_episodes == 0 and store.counters.episodes_expired == 1
     assert buffer.stats().started == 1  # the expired episode gave its slot back
 
@@ -210,7 +235,7 @@ def test_an_episode_in_use_outlives_idle_ones_opened_after_it(tokenizer):
     clock.now = 50.0
     store.commit(store.begin_chat("e0", [USER], None), sampled(tokenizer, "1", 0), None)
     clock.now = 63.0  # e1 and e2 idle 61-62 s (over the 60 s TTL), e0 13 s
-    store.expire()
+    expire(store)
     assert list(store.episodes) == ["e0"] and store.counters.episodes_expired == 2
 
 
@@ -219,7 +244,7 @@ def test_flush_puts_closed_groups_and_frees_open_episodes(tokenizer):
     for i in range(3):
         call = store.begin_chat(f"e{i}", [USER], None)
         store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
-    store.close("e0", 1.0, group_id="g", group_size=2)
+    close(store, "e0", 1.0, group_id="g", group_size=2)
     store.flush()
     stats = buffer.stats()
     assert stats.queued == 1 and stats.started == 1
@@ -233,7 +258,7 @@ def test_token_prompts_continue_when_they_extend_the_record(tokenizer):
     second = store.begin_tokens("c", [5, 6, 7, 8, 9, 10, 11])
     assert second.delta == [10, 11]
     store.commit(second, Completion([12], [-1.0], [2], "length"), None)
-    store.close("c", 0.0)
+    close(store, "c", 0.0)
     (group,) = buffer.take(1, learner_version=2)
     (t,) = group.trajectories
     assert t.prompt_ids == [5, 6, 7] and t.response_ids == [8, 9, 10, 11, 12]
@@ -253,13 +278,13 @@ def test_a_declared_group_shares_one_admission_slot(tokenizer):
     store.abandon(calls[0])
     clock.now = 61.0
     store.episodes["e1"].last_used = store.episodes["e2"].last_used = 60.0
-    store.expire()
+    expire(store)
     assert store.counters.episodes_expired == 1 and buffer.stats().started == 1
     with pytest.raises(EpisodeError, match="opened in group 'g'"):
-        store.close("e1", 1.0, group_id="h")
-    assert not store.close("e1", 1.0, group_size=2)["group_complete"]  # the header's group
+        close(store, "e1", 1.0, group_id="h")
+    assert not close(store, "e1", 1.0, group_size=2)["group_complete"]  # the header's group
     assert buffer.stats().queued == 0  # the slot is still with e2
-    assert store.close("e2", 0.0)["group_complete"]
+    assert close(store, "e2", 0.0)["group_complete"]
     stats = buffer.stats()
     assert stats.queued == 1 and stats.started == 1
     (group,) = buffer.take(1, learner_version=0)
@@ -274,7 +299,7 @@ def test_a_group_member_opening_after_its_siblings_closed_joins_their_slot(token
     store, buffer = make_store(tokenizer, groups_per_step=1, eta=0)  # one slot
     call = store.begin_chat("early", [USER], None, group_id="g")
     store.commit(call, sampled(tokenizer, "1", 0), {"role": "assistant", "content": "1"})
-    assert not store.close("early", 1.0, group_size=2)["group_complete"]
+    assert not close(store, "early", 1.0, group_size=2)["group_complete"]
     assert buffer.stats().started == 1 and buffer.stats().queued == 0
 
     assert not store.wants_slot("late", "g")
@@ -282,8 +307,136 @@ def test_a_group_member_opening_after_its_siblings_closed_joins_their_slot(token
     with pytest.raises(AtCapacity):
         store.begin_chat("other", [USER], None, group_id="h")
     store.commit(late, sampled(tokenizer, "2", 0), {"role": "assistant", "content": "2"})
-    assert store.close("late", 0.0)["group_complete"]
+    assert close(store, "late", 0.0)["group_complete"]
     stats = buffer.stats()
     assert stats.queued == 1 and stats.started == 1
     (group,) = buffer.take(1, learner_version=0)
     assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
+
+
+# -- clients that retry, race, fail to close, or ask too much ----------------------------------
+
+
+def test_a_call_while_another_runs_on_the_episode_is_refused(tokenizer):
+    """Two calls extending one segment at once would interleave their tokens, masks and
+    log-probs: the second is refused (409) until the first is recorded."""
+    store, buffer = make_store(tokenizer)
+    first = store.begin_chat("e", [USER], None)
+    with pytest.raises(EpisodeError, match="a call is still running") as busy:
+        store.begin_chat("e", [USER], None)
+    assert busy.value.status == 409
+    reply = {"role": "assistant", "content": "5"}
+    store.commit(first, sampled(tokenizer, "5", 0), reply)
+    more = [USER, reply, {"role": "user", "content": "and times 2"}]
+    second = store.begin_chat("e", more, None)  # a continuation marks the episode busy too
+    for racing in (lambda: store.begin_chat("e", more, None),
+                   lambda: store.begin_tokens("e", [*second.prompt_ids, 5])):
+        with pytest.raises(EpisodeError, match="still running"):
+            racing()
+    store.commit(second, sampled(tokenizer, "10", 0), {"role": "assistant", "content": "10"})
+    close(store, "e", 1.0)
+    (group,) = buffer.take(1, learner_version=0)
+    (t,) = group.trajectories
+    assert t.extra["episode"]["turns"] == 2 and store.counters.segments_rewritten == 0
+
+
+def test_a_retried_call_gets_its_answer_back(tokenizer):
+    store, _ = make_store(tokenizer)
+    call = store.begin_chat("e", [USER], None, key=("k1", "request-1"))
+    store.commit(call, sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"},
+                 answer="the first answer")
+    assert store.replay("e", ("k1", "request-1")) == "the first answer"
+    assert store.replay("e", ("k2", "request-1")) is None and store.counters.calls_replayed == 1
+    with pytest.raises(EpisodeError, match="Idempotency-Key: 'k1' already answered another"):
+        store.replay("e", ("k1", "request-2"))
+    for i in range(RESULTS_KEPT + 3):  # bounded: the oldest answers are dropped
+        more = [USER, {"role": "assistant", "content": "5"}, {"role": "user", "content": "x"}]
+        store.commit(store.begin_chat("e", more, None, key=(f"n{i}", "r")),
+                     sampled(tokenizer, "5", 0), {"role": "assistant", "content": "5"}, i)
+    assert len(store.episodes["e"].results) == RESULTS_KEPT
+
+
+def test_a_refused_close_changes_nothing(tokenizer):
+    """A close that names the wrong group size used to remove the episode and then refuse:
+    its slot leaked and its group never completed."""
+    store, buffer = make_store(tokenizer)
+    for e in ("a", "b"):
+        store.commit(store.begin_chat(e, [USER], None), sampled(tokenizer, "1", 0), None)
+    close(store, "a", 1.0, group_id="g", group_size=2)
+    with pytest.raises(EpisodeError, match="group_size: 3 but group 'g' was opened with size 2"):
+        close(store, "b", 0.0, group_id="g", group_size=3)
+    assert store.open_episodes == 1 and buffer.stats().started == 2
+    assert close(store, "b", 0.0, group_id="g")["group_complete"]
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1
+
+
+class FlakyBuffer(MemoryBuffer):
+    """Its first ``fails`` puts raise, as a Redis buffer does once its own retries ran out."""
+
+    def __init__(self, fails: int) -> None:
+        super().__init__(4, 0)
+        self.fails = fails
+
+    def put(self, group: Group, holder: str = "") -> None:
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionError("Redis is unreachable")
+        super().put(group, holder)
+
+
+def test_a_failed_put_keeps_the_group_for_a_retried_close(tokenizer):
+    buffer = FlakyBuffer(fails=1)
+    store = EpisodeStore(buffer, ChatRenderer(tokenizer), ttl_s=60, group_timeout_s=30)
+    store.commit(store.begin_chat("e", [USER], None), sampled(tokenizer, "1", 0), None)
+    summary = store.close("e", 1.0)
+    with pytest.raises(BufferUnavailable, match=r"buffer: putting group .* failed .*"
+                                                r"ConnectionError: Redis is unreachable"):
+        asyncio.run(store.settle(summary["group_id"]))
+    assert buffer.stats().queued == 0 and store.counters.put_failures == 1
+    assert store.close("e", 1.0) == summary  # the retried close: same answer, put again
+    asyncio.run(store.settle(summary["group_id"]))
+    stats = buffer.stats()
+    assert stats.queued == 1 and stats.started == 1 and store.counters.groups_put == 1
+
+
+def test_episodes_are_limited_per_group_and_per_client(tokenizer):
+    store, buffer = make_store(tokenizer)
+    store.max_group_size, store.max_episodes_per_client = 2, 3
+    for e in ("a", "b"):
+        store.commit(store.begin_chat(e, [USER], None, group_id="g", client="c1"),
+                     sampled(tokenizer, "1", 0), None)
+    with pytest.raises(EpisodeError, match=r"group 'g' already has 2 episodes \(serve\."
+                                           r"max_group_size=2\)"):
+        store.wants_slot("x", "g", "c2")  # refused before any slot is taken
+    store.begin_chat("c", [USER], None, client="c1")
+    with pytest.raises(EpisodeError, match="client c1: 3 episodes open") as limited:
+        store.begin_chat("d", [USER], None, client="c1")
+    assert limited.value.status == 429
+    store.abandon(store.begin_chat("d", [USER], None, client="c2"))
+    # Once a close names the group's size, that size is the limit.
+    close(store, "a", 1.0, group_size=2)
+    with pytest.raises(EpisodeError, match=r"already has 2 episodes \(its group_size=2\)"):
+        store.begin_chat("x", [USER], None, group_id="g", client="c2")
+    close(store, "b", 1.0)
+    store.begin_chat("d2", [USER], None, client="c1")  # closing freed c1's room
+    assert buffer.stats().started == 4  # g's slot was put; c, d, d2 hold theirs
+
+
+def test_a_slot_handed_in_is_held_or_given_back_once(tokenizer):
+    """The service takes a new episode's slot before planning the call; whatever the plan
+    does with it (refuses the call, or finds the slot not needed), it goes back exactly once."""
+    store, buffer = make_store(tokenizer, groups_per_step=8)
+    store.max_group_size = 1
+    store.begin_chat("a", [USER], None, group_id="g")
+    for refused in (lambda: store.begin_chat("b", [USER], None, group_id="g", slot=True),
+                    lambda: store.begin_chat("a", [USER], None, slot=True),
+                    lambda: store.begin_chat("c", [], None, slot=True)):
+        assert buffer.try_admit()
+        with pytest.raises(EpisodeError):
+            refused()
+    store.max_group_size = None
+    assert buffer.try_admit()
+    store.begin_chat("b", [USER], None, group_id="g", slot=True)  # g holds one: not needed
+    asyncio.run(store.give_back())
+    assert buffer.stats().started == 1 and not store.owes

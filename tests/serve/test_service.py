@@ -1,6 +1,6 @@
 """The service over real HTTP with the official openai client: chat (plain, streamed, with
 tools), completions, exact token records across calls, the reward route into the buffer, 429 at
-the staleness bound, 401 and 400. The engine is the tiny model on real vLLM, except where a
+the staleness bound, 401, 400 and 413. The engine is the tiny model on real vLLM, except where a
 tool call must be produced (a random model never writes one): there a scripted engine answers.
 """
 
@@ -160,7 +160,7 @@ def test_refusals_name_the_problem(served):
     assert wrong.status_code == 400 and "$.max_tokens" in wrong.json()["error"]["message"]
     big = httpx.post(f"{served.base_url}/v1/chat/completions", headers=auth,
                      json={"messages": [{"role": "user", "content": "x" * 30000}]})
-    assert big.status_code == 400 and "serve.max_body_bytes" in big.json()["error"]["message"]
+    assert big.status_code == 413 and "serve.max_body_bytes" in big.json()["error"]["message"]
     before = served.buffer.stats().started
     empty = httpx.post(f"{served.base_url}/v1/chat/completions", json={"messages": []},
                        headers={**auth, "X-Episode-Id": "empty-1"})
