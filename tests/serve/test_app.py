@@ -162,18 +162,24 @@ def test_calls_on_a_busy_episode_get_409_and_a_retry_gets_the_first_answer(
     asyncio.run(main())
 
 
+def chat_scope(header: tuple[bytes, bytes]) -> dict:
+    """The ASGI scope of a local JSON POST to /v1/chat/completions with one more header, for
+    tests that drive the app's receive and send by hand."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9),
+            "server": ("127.0.0.1", 8000),
+            "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                        header]}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_aborts_its_sampling(tiny_model_dir, tokenizer, stream):
     """Driven by hand: the client's side of the connection says when it disconnects."""
     s = Stack(tiny_model_dir, tokenizer)
     body = json.dumps({"messages": USER, "stream": stream}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9),
-             "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-                         (b"x-episode-id", b"gone")]}
+    scope = chat_scope((b"x-episode-id", b"gone"))
 
     async def main() -> None:
         gone = asyncio.Event()
@@ -302,13 +308,7 @@ def test_a_stalled_put_does_not_stop_other_calls(tiny_model_dir, tokenizer):
 
 def test_a_chunked_body_is_read_no_further_than_the_limit(tiny_model_dir, tokenizer):
     s = Stack(tiny_model_dir, tokenizer)  # serve.max_body_bytes=20000
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 9),
-             "server": ("127.0.0.1", 8000),
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-                         (b"transfer-encoding", b"chunked")]}
+    scope = chat_scope((b"transfer-encoding", b"chunked"))
 
     async def main() -> None:
         reads, status, body = 0, [], []

@@ -6,8 +6,8 @@ One constant per script (``INIT``, ``ADMIT``, ``CANCEL``, ``RELEASE``, ``PUT``,
 prefixed with the shared helpers (``touch`` stamps ``last_update_ts``, ``num`` reads a counter,
 ``capacity`` is the staleness bound, ``set_queued`` sets ``queued`` from the queued set,
 ``settle`` retires one of a holder's admissions, ``clock`` is Redis's time, ``chunked`` makes one
-variadic call per thousand items, ``count_taken`` counts taken entries as consumed, ``gone``
-lists the holders whose lease is not live) and documented with its KEYS, ARGV and reply. Key
+variadic call per thousand items, ``count_taken`` counts taken entries as consumed, ``forget_gone``
+forgets the holders whose lease is not live) and documented with its KEYS, ARGV and reply. Key
 names are those of ``wire.RunKeys``: stats holders and minv (hashes), ids / queued / taken
 (sets), leases (sorted set), groups / dead (streams).
 
@@ -69,21 +69,26 @@ local function chunked(cmd, key, arg, items)
   end
   return out, sum
 end
--- The holders (with their slots) whose lease is not live at `now`: expired, or never set or
--- removed (a client that closed); a holder with a live lease is alive.
-local function gone(holders, leases, now)
+-- Forget the holders whose lease is not live at `now` (expired, or never set or removed: a
+-- client that closed; a holder with a live lease is alive) and the expired leases. Returns
+-- {holder, slots, ...} of the forgotten holders and their slots in all.
+local function forget_gone(holders, leases, now)
   local flat = redis.call('HGETALL', holders)
-  local names, out = {}, {}
+  local names, out, total = {}, {}, 0
   for i = 1, #flat, 2 do names[#names + 1] = flat[i] end
   local expiry = chunked('ZMSCORE', leases, false, names)
   for i, name in ipairs(names) do
     local t = tonumber(expiry[i])
     if t == nil or t <= now then
+      local slots = tonumber(flat[2 * i])
+      redis.call('HDEL', holders, name)
       out[#out + 1] = name
-      out[#out + 1] = tonumber(flat[2 * i])
+      out[#out + 1] = slots
+      total = total + slots
     end
   end
-  return out
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+  return out, total
 end
 -- Count taken entries as consumed, once each (a crash can deliver one twice), with their
 -- staleness; ids (distinct) and stalenesses are parallel lists. Returns how many were newly
@@ -433,13 +438,7 @@ return n
 REBASE = _HELPERS + """
 local h = KEYS[1]
 local now = clock()
-local dead = gone(KEYS[4], KEYS[5], now)
-local dropped = 0
-for i = 1, #dead, 2 do
-  redis.call('HDEL', KEYS[4], dead[i])
-  dropped = dropped + dead[i + 1]
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local dead, dropped = forget_gone(KEYS[4], KEYS[5], now)
 local kept, live = 0, 0
 for _, n in ipairs(redis.call('HVALS', KEYS[4])) do
   kept = kept + tonumber(n)
@@ -465,13 +464,7 @@ LEASE = _HELPERS + """
 local h = KEYS[1]
 local now = clock()
 for i = 2, #ARGV do redis.call('ZADD', KEYS[3], now + tonumber(ARGV[1]), ARGV[i]) end
-local dead = gone(KEYS[2], KEYS[3], now)
-local total = 0
-for i = 1, #dead, 2 do
-  redis.call('HDEL', KEYS[2], dead[i])
-  total = total + dead[i + 1]
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local dead, total = forget_gone(KEYS[2], KEYS[3], now)
 if total > 0 then
   redis.call('HINCRBY', h, 'in_flight', -total)
   redis.call('HINCRBY', h, 'started', -total)
