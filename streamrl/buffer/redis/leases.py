@@ -21,6 +21,9 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 30.0
+"""How long ``stop`` waits for a renewal in progress."""
+
 
 class Heartbeat:
     """Calls ``beat(holders)`` every ``interval_s`` from a daemon thread, started by the first
@@ -60,7 +63,12 @@ class Heartbeat:
             holders, self._holders = sorted(self._holders), set()
             self._stop.set()
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            # A beat stuck in a Redis call must not hang close: the daemon thread dies with
+            # the process, and the leases it renewed then expire on their own.
+            thread.join(timeout=STOP_TIMEOUT_S)
+            if thread.is_alive():
+                log.warning("%s: a lease renewal still runs after %.0f s (Redis not answering); "
+                            "closing without it", self._name, STOP_TIMEOUT_S)
         return holders
 
     def _run(self) -> None:
