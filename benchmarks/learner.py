@@ -22,8 +22,10 @@ the bf16 FLOP/s of a 2048² matmul on the same threads measured in the same run;
 peak RSS over the timed updates (high-water mark reset after the warm-up, so AdamW's state is
 in it) against the fp32 params + grads + AdamW states (16 bytes per parameter); and the update
 against a bare torch loop (plain HF model, same micro-batches, same precision and checkpointing,
-full-logits log-softmax) on the same batch. Goals (issue 40): peak RSS <= 1.5x the states,
-MFU >= 0.5, update <= 1.05x bare. One process per configuration, e.g.
+full-logits log-softmax) on the same batch. The learner sets the process's allocator up
+(``learner/memory.py``, process-wide: the bare loop runs under it too); the timed update's page
+faults and system time, the allocator's cost, are printed. Goals (issue 40): peak RSS <= 1.5x
+the states, MFU >= 0.5, update <= 1.05x bare. One process per configuration, e.g.
 
     OMP_NUM_THREADS=2 flock -x /tmp/heavy.lock .venv/bin/python benchmarks/learner.py \
         --model smollm2 --precision bf16 --gradient-checkpointing
@@ -40,6 +42,7 @@ import argparse
 import contextlib
 import os
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -204,9 +207,11 @@ def real_model(args: argparse.Namespace) -> None:
     update = update_step(worker, batch)
     plan = [rows for mini in worker.plan(batch) for rows in mini]
     update()  # warm-up: allocates AdamW's state
-    rss = ResidentMemory()
+    rss, usage = ResidentMemory(), resource.getrusage(resource.RUSAGE_SELF)
     times: dict[str, list[float]] = {"update": [timed(update)], "bare": []}
     peak_gb = rss.peak_mib() / 1024
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    faults, sys_s = after.ru_minflt - usage.ru_minflt, after.ru_stime - usage.ru_stime
     bare = bare_step(model_dir, batch, plan, bf16=args.precision == "bf16", checkpointing=gc)
     bare()  # warm-up
     for i in range(args.repeats):  # interleaved so machine load hits both alike
@@ -228,6 +233,8 @@ def real_model(args: argparse.Namespace) -> None:
           f"{base_gb:.2f} GB) | params + grads + AdamW (fp32) {states_gb:.2f} GB | ratio "
           f"{peak_gb / states_gb:.2f}x (goal <= 1.5x; {(peak_gb - base_gb) / states_gb:.2f}x "
           f"without the process's own)", flush=True)
+    print(f"[4] timed update: {faults / 1e6:.2f} M page faults, {sys_s:.1f} s system time "
+          f"(the allocator's cost)", flush=True)
     print(result_line(f"learner_{label}_rss_vs_states", peak_gb / states_gb, "<=", 1.5))
     print(result_line(f"learner_{label}_mfu", mfu, ">=", 0.5))
     print(result_line(f"learner_{label}_update_vs_bare_time", t_update / t_bare, "<=", 1.05,

@@ -17,8 +17,9 @@ reference log-probs of the whole mini-batch: the proximal ones when known, else 
 first epoch that takes them from its own forward) one no-grad forward of the mini-batch.
 Log-probs come from ``logprobs.policy_log_probs`` (computed in the LM head, chunked, never the
 [tokens x vocab] logits); the entropy has gradients only when ``entropy_coeff != 0``.
-Depends on algos, batch, config and the learner's batching / forward / logprobs / lora /
-optim / update_loop.
+Building an ``Actor`` sets the process's allocator up (``memory.configure_allocator``: large
+freed blocks go back to the system at once). Depends on algos, batch, config and the learner's
+batching / forward / logprobs / lora / memory / optim / update_loop.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from streamrl.learner.batching import Plan
 from streamrl.learner.forward import MicroBatch, gather_rows
 from streamrl.learner.logprobs import policy_log_probs
 from streamrl.learner.lora import adapter_disabled
+from streamrl.learner.memory import configure_allocator
 from streamrl.learner.optim import build_lr_scheduler, build_optimizer
 from streamrl.learner.update_loop import (
     Counts,
@@ -134,6 +136,7 @@ class Actor:
     """The trained policy: proximal log-probs and PPO-family updates."""
 
     def __init__(self, model: nn.Module, cfg: Config, planner: Planner, device: torch.device):
+        configure_allocator()  # before the first step allocates anything (memory.py)
         self.model, self.cfg, self.planner, self.device = model, cfg, planner, device
         self.acfg = cfg.actor
         self.sampling = sampling_of(cfg)
