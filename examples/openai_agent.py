@@ -31,6 +31,7 @@ import asyncio
 import itertools
 import json
 import random
+import sys
 import uuid
 from typing import Any
 
@@ -88,23 +89,48 @@ async def episode(client: openai.AsyncOpenAI, http: httpx.AsyncClient, env: Rela
         if step.done or not step.observation:
             break
         messages += step.observation
-    await close(http, episode_id, {"reward": reward, "group_id": group_id,
-                                    "group_size": group_size})
+    try:
+        await close(http, episode_id, {"reward": reward, "group_id": group_id,
+                                        "group_size": group_size})
+    except CloseFailed as exc:  # the episode is lost to training; the agent goes on
+        print(exc, file=sys.stderr, flush=True)
     return {"reward": reward, **info}
 
 
-async def close(http: httpx.AsyncClient, episode_id: str, body: dict[str, Any]) -> None:
-    """Report the reward; a service restarted meanwhile has forgotten the episode (404)."""
-    for attempt in range(30):
+CLOSE_TRIES = 10
+RETRIED = (409, 503)
+
+
+class CloseFailed(RuntimeError):
+    """The reward could not be reported; the message says why in one line."""
+
+
+async def close(http: httpx.AsyncClient, episode_id: str, body: dict[str, Any],
+                tries: int = CLOSE_TRIES) -> dict[str, Any] | None:
+    """Report the reward; returns the service's answer, or None when a service restarted
+    meanwhile has forgotten the episode (404). Retried with backoff, ``tries`` times at most
+    (then ``CloseFailed``): a 503 (the buffer, e.g. Redis, is down: the service keeps the
+    episode, and a retried close puts it), a 409 (the group is being put, or a call of the
+    episode still runs: both end by themselves) and a lost connection (the service restarting).
+    """
+    why = ""
+    for attempt in range(tries):
+        if attempt:
+            await asyncio.sleep(min(8.0, 0.25 * 2**attempt))
         try:
             closed = await http.post(f"/v1/episodes/{episode_id}/reward", json=body)
-        except httpx.TransportError:  # the service is restarting: try again shortly
-            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+        except httpx.TransportError as exc:
+            why = f"{type(exc).__name__}: {exc}"
             continue
-        if closed.status_code != 404:
-            closed.raise_for_status()
-        return
-    raise RuntimeError(f"could not report the reward of episode {episode_id}")
+        if closed.status_code in RETRIED:
+            why = f"{closed.status_code}: {closed.json().get('error', {}).get('message', '')}"
+            continue
+        if closed.status_code == 404:
+            return None
+        closed.raise_for_status()
+        answer: dict[str, Any] = closed.json()
+        return answer
+    raise CloseFailed(f"episode {episode_id}: reward not reported after {tries} tries ({why})")
 
 
 async def main(args: argparse.Namespace) -> dict[str, float]:

@@ -35,12 +35,13 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 from streamrl.config import Config
 from streamrl.errors import ConfigError
+from streamrl.logs import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +87,13 @@ def run_serve(cfg: Config) -> int:
         raise ConfigError("rollout.num_replicas=0: streamrl serve needs at least one replica")
     train = cfg.serve.train
     with build_runtime(cfg, learners=train, serving=True) as rt:
-        router = Router([ActorBackend(m) for m in rt.fleet.members])
+        router = Router([ActorBackend(m) for m in rt.fleet.members],
+                        rolling=cfg.weight_bus.update_policy == "rolling",
+                        swap_wait_s=cfg.weight_bus.timeout_s)
         store = EpisodeStore(rt.buffer, ChatRenderer(rt.tokenizer), ttl_s=cfg.serve.episode_ttl_s,
-                             group_timeout_s=cfg.serve.group_timeout_s)
+                             group_timeout_s=cfg.serve.group_timeout_s,
+                             max_group_size=cfg.serve.max_group_size,
+                             max_episodes_per_client=cfg.serve.max_episodes_per_client)
         name = cfg.serve.model_name or Path(rt.model_path).name
         service = Service(cfg, router, store, rt.tokenizer, name)
 
@@ -127,12 +132,25 @@ def run_serve(cfg: Config) -> int:
                 log.info("streamrl serve: flushed; episode counters %s", store.counters)
 
         try:
-            asyncio.run(main())
+            _run_loop(main())
         finally:
             if controller is not None and trainer is not None:
                 controller.stop()
                 trainer.join(timeout=cfg.serve.shutdown_timeout_s + cfg.buffer.take_timeout_s)
     return 0
+
+
+def _run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """``asyncio.run(main)``, on uvloop when it is installed (vLLM brings it), as vLLM's own
+    server and ``uvicorn.run`` run theirs: the loop runs every call's HTTP parsing, tasks and
+    Ray replies, and benchmarks/serve.py compares the service with vLLM's server loop for
+    loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def _server_class() -> Any:
@@ -174,8 +192,10 @@ async def _upkeep(service: Any, rt: Any, *, watch_bus: bool) -> None:
             if lookup is not None:
                 announced = await asyncio.to_thread(lookup)
                 if announced and announced != endpoint:
+                    # The endpoint carries the bus token (?token=): the replicas need it, the
+                    # log must not show it.
                     log.info("streamrl serve: connecting replicas to the trainer at %s",
-                             announced)
+                             redact_url(announced))
                     await asyncio.gather(*(r.connect_bus.remote(announced)
                                            for r in rt.fleet.replicas))
                     endpoint = announced

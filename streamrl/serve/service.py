@@ -133,9 +133,6 @@ class Service:
         self.cfg = cfg
         self.router = router
         self.store = store
-        # run_serve builds the store with its timeouts; the limits come from the same section.
-        store.max_group_size = cfg.serve.max_group_size
-        store.max_episodes_per_client = cfg.serve.max_episodes_per_client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.renderer = store.renderer
@@ -251,6 +248,10 @@ class Service:
         except asyncio.CancelledError:  # the client went away: a slot claimed anyway goes back
             admit.add_done_callback(self._return_unused)
             raise
+        except Exception as exc:  # the buffer is down past its own retries: 503, not 500
+            raise BufferUnavailable(
+                f"buffer: admitting a new episode failed ({type(exc).__name__}: {exc}); retry "
+                "the call") from exc
 
     def _return_unused(self, admit: asyncio.Future[bool]) -> None:
         if not admit.cancelled() and admit.exception() is None and admit.result():

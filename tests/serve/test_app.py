@@ -11,10 +11,12 @@ hand-driven ASGI call where the test must control the client's side of the conne
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,6 +33,7 @@ from streamrl.serve.router import ActorBackend, Router
 from streamrl.serve.service import Service
 from streamrl.types import Group
 
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-token"
 JSON = {"Content-Type": "application/json"}
 USER = [{"role": "user", "content": "what is 2 + 3"}]
@@ -87,7 +90,9 @@ class Stack:
         self.backend = Fake(tokenizer, text)
         self.store = EpisodeStore(self.buffer, ChatRenderer(tokenizer),
                                   ttl_s=self.cfg.serve.episode_ttl_s,
-                                  group_timeout_s=self.cfg.serve.group_timeout_s)
+                                  group_timeout_s=self.cfg.serve.group_timeout_s,
+                                  max_group_size=self.cfg.serve.max_group_size,
+                                  max_episodes_per_client=self.cfg.serve.max_episodes_per_client)
         self.service = Service(self.cfg, Router([self.backend]), self.store, tokenizer, "tiny")
 
         async def learner_version() -> int:
@@ -283,6 +288,65 @@ def test_a_failed_put_answers_503_and_a_retried_close_lands(tiny_model_dir, toke
     asyncio.run(main())
 
 
+def test_the_example_agent_retries_a_close_the_buffer_refused(tiny_model_dir, tokenizer):
+    """examples/openai_agent.py's close: a 503 is retried until the put lands; a 404 (a
+    restarted service forgot the episode) is None; out of tries, one line saying why."""
+    pytest.importorskip("openai")
+    spec = importlib.util.spec_from_file_location("openai_agent", ROOT / "examples" /
+                                                  "openai_agent.py")
+    assert spec is not None and spec.loader is not None
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    s = Stack(tiny_model_dir, tokenizer, buffer=FlakyBuffer(fails=2))
+
+    async def main() -> None:
+        async with s.client() as c:
+            await chat(c, "e")
+            summary = await agent.close(c, "e", {"reward": 0.5})
+            assert summary["group_complete"] and s.buffer.stats().queued == 1
+            assert await agent.close(c, "never-opened", {"reward": 0.5}) is None
+            await chat(c, "f")
+            s.buffer.fails = 3
+            with pytest.raises(agent.CloseFailed, match="episode f: reward not reported after 3 "
+                               "tries \\(503: buffer: putting group"):
+                await agent.close(c, "f", {"reward": 0.5}, tries=3)
+
+    asyncio.run(main())
+
+
+class DownBuffer(MemoryBuffer):
+    """Its admissions fail (Redis unreachable past the client's retries) while ``down``."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 1)
+        self.down = True
+
+    def try_admit(self, holder: str = "") -> bool:
+        if self.down:
+            raise ConnectionError("Redis at redis://127.0.0.1:1 is unreachable")
+        return super().try_admit(holder)
+
+
+def test_an_admission_the_buffer_fails_answers_503_and_opens_nothing(tiny_model_dir,
+                                                                      tokenizer):
+    s = Stack(tiny_model_dir, tokenizer, buffer=DownBuffer())
+    buffer = s.buffer
+    assert isinstance(buffer, DownBuffer)
+
+    async def main() -> None:
+        async with s.client() as c:
+            refused = await chat(c, "e")
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert message_of(refused).startswith("buffer: admitting a new episode failed "
+                                                  "(ConnectionError")
+            assert s.store.open_episodes == 0 and s.backend.started == 0
+            buffer.down = False
+            assert (await chat(c, "e")).status_code == 200
+        assert buffer.stats().started == 1
+
+    asyncio.run(main())
+
+
 def test_a_stalled_put_does_not_stop_other_calls(tiny_model_dir, tokenizer):
     s = Stack(tiny_model_dir, tokenizer, buffer=StalledBuffer())
     buffer = s.buffer
@@ -459,3 +523,36 @@ def test_a_cancelled_call_cancels_the_replica_actors_task(monkeypatch):
 def test_limits_are_checked_at_start(key):
     with pytest.raises(ConfigError, match=rf"serve\.{key}=0: must be > 0"):
         load_config([f"serve.{key}=0"])
+
+
+def test_following_the_trainer_logs_its_endpoint_without_the_bus_token(caplog):
+    """The bus endpoint carries the trainer's token (tcp://host:port?token=T): the replicas get
+    it whole, the log line masks it."""
+    from streamrl.serve import _upkeep
+
+    endpoint = "tcp://127.0.0.1:5555?token=s3cret"
+    connected: list[str] = []
+
+    async def connect(announced: str) -> None:
+        connected.append(announced)
+
+    async def refresh() -> None:
+        pass
+
+    service = SimpleNamespace(refresh=refresh)
+    replica = SimpleNamespace(connect_bus=SimpleNamespace(remote=connect))
+    rt = SimpleNamespace(buffer=SimpleNamespace(bus_endpoint=lambda: endpoint),
+                         fleet=SimpleNamespace(replicas=[replica]))
+
+    async def main() -> None:
+        upkeep = asyncio.ensure_future(_upkeep(service, rt, watch_bus=True))
+        await until(lambda: bool(connected), "the replica connected")
+        upkeep.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await upkeep
+
+    with caplog.at_level(logging.INFO, logger="streamrl.serve"):
+        asyncio.run(main())
+    assert connected == [endpoint]
+    assert "connecting replicas to the trainer at tcp://127.0.0.1:5555" in caplog.text
+    assert "s3cret" not in caplog.text

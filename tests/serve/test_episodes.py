@@ -40,10 +40,10 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
 
-def make_store(tokenizer, groups_per_step: int = 4, eta: int = 0, clock=None):
+def make_store(tokenizer, groups_per_step: int = 4, eta: int = 0, clock=None, **limits: Any):
     buffer = MemoryBuffer(groups_per_step, eta)
     store = EpisodeStore(buffer, ChatRenderer(tokenizer), ttl_s=60, group_timeout_s=30,
-                         clock=clock or Clock())
+                         clock=clock or Clock(), **limits)
     return store, buffer
 
 
@@ -401,8 +401,7 @@ def test_a_failed_put_keeps_the_group_for_a_retried_close(tokenizer):
 
 
 def test_episodes_are_limited_per_group_and_per_client(tokenizer):
-    store, buffer = make_store(tokenizer)
-    store.max_group_size, store.max_episodes_per_client = 2, 3
+    store, buffer = make_store(tokenizer, max_group_size=2, max_episodes_per_client=3)
     for e in ("a", "b"):
         store.commit(store.begin_chat(e, [USER], None, group_id="g", client="c1"),
                      sampled(tokenizer, "1", 0), None)
@@ -426,8 +425,7 @@ def test_episodes_are_limited_per_group_and_per_client(tokenizer):
 def test_a_slot_handed_in_is_held_or_given_back_once(tokenizer):
     """The service takes a new episode's slot before planning the call; whatever the plan
     does with it (refuses the call, or finds the slot not needed), it goes back exactly once."""
-    store, buffer = make_store(tokenizer, groups_per_step=8)
-    store.max_group_size = 1
+    store, buffer = make_store(tokenizer, groups_per_step=8, max_group_size=1)
     store.begin_chat("a", [USER], None, group_id="g")
     for refused in (lambda: store.begin_chat("b", [USER], None, group_id="g", slot=True),
                     lambda: store.begin_chat("a", [USER], None, slot=True),
