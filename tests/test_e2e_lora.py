@@ -1,22 +1,35 @@
 """End to end: ``streamrl train actor.lora.rank=8`` in sync mode with a real vLLM replica, the
 FSDP2 learner and the gloo weight bus. The adapter trains (the KL to the adapter-disabled
-reference grows from exactly 0), every published version reaches the replica merged and exact
-(on-policy, its log-probs are the learner's), the checkpoint holds the adapter alone and a
-resumed run continues from it."""
+reference grows from exactly 0), every published version is the adapter alone (the default
+with vLLM: ``actor.lora.publish=auto``) and the replica serves it as that version's LoRA adapter,
+exactly (on-policy, its log-probs are the learner's), the checkpoint holds the adapter alone
+and a resumed run continues from it. In fully_async mode (CPU replicas step the engine in the
+replica's process, adapters land there: ``weight_bus/adapter.py``) a LoRA run trains within the
+staleness bound, publishing the adapter alone."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
-from streamrl.config import load_config
+from streamrl.config import Config, load_config
 from streamrl.controller import run_training
+from streamrl.learner.fsdp import load_causal_lm
+from streamrl.learner.lora import adapter_parameters, with_lora
+from tests.test_e2e import COMMON
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS = 3
+
+
+def fp32_adapter_bytes(cfg: Config, model_dir: Path) -> int:
+    """What an adapter-only publish sends (rollout.dtype float32)."""
+    adapter = with_lora(load_causal_lm, cfg.actor.lora)(model_dir, torch.device("cpu"))
+    return sum(p.numel() * 4 for _, p in adapter_parameters(adapter))
 
 
 def test_sync_lora_run_trains_publishes_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -25,7 +38,9 @@ def test_sync_lora_run_trains_publishes_and_resumes(tmp_path: Path, tiny_model_d
             "actor.use_kl_loss=true", "actor.ppo_epochs=1", "task.train_batch_size=8",
             "actor.ppo_mini_batch_size=8",
             f"trainer.save_freq={STEPS}", f"trainer.output_dir={tmp_path}"]
-    result = run_training(load_config([*args, f"trainer.total_steps={STEPS}"]))
+    cfg = load_config([*args, f"trainer.total_steps={STEPS}"])
+    adapter_bytes = fp32_adapter_bytes(cfg, tiny_model_dir)
+    result = run_training(cfg)
     history = result.history
     assert [h["step"] for h in history] == list(range(1, STEPS + 1))
     kl = [h["actor/kl_loss"] for h in history]
@@ -33,7 +48,7 @@ def test_sync_lora_run_trains_publishes_and_resumes(tmp_path: Path, tiny_model_d
     assert kl[0] == 0.0 and kl[-1] > 0, kl
     # Sync: each step samples from the version published after the previous one (2 publishes
     # before step 3), so the engine's log-probs must be the learner's own.
-    assert all(h["weight_bus/bytes"] > 0 for h in history)
+    assert all(h["weight_bus/bytes"] == adapter_bytes for h in history)  # the adapter alone
     assert max(h["rollout/logprob_abs_diff"] for h in history) < 1e-3
     assert result.checkpoint is not None and result.checkpoint.endswith(f"_{STEPS}")
     saved = dcp.FileSystemReader(result.checkpoint).read_metadata().state_dict_metadata
@@ -44,3 +59,21 @@ def test_sync_lora_run_trains_publishes_and_resumes(tmp_path: Path, tiny_model_d
     assert [h["step"] for h in resumed.history] == [STEPS + 1]
     assert resumed.history[0]["actor/kl_loss"] > 0  # the adapter came back, not a fresh one
     assert resumed.history[0]["rollout/logprob_abs_diff"] < 1e-3
+    assert resumed.history[0]["weight_bus/bytes"] == adapter_bytes
+
+
+def test_fully_async_lora_run_publishes_adapters_within_the_staleness_bound(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    mode, eta, steps = "fully_async", 2, 8
+    cfg = load_config([*COMMON, f"model.path={tiny_model_dir}", f"trainer.mode={mode}",
+                       f"buffer.max_staleness={eta}", "actor.lora.rank=8", "actor.optim.lr=3e-2",
+                       f"trainer.total_steps={steps}", f"trainer.output_dir={tmp_path}"])
+    history = run_training(cfg).history
+    assert [h["step"] for h in history] == list(range(1, steps + 1))
+    assert max(h["staleness/max"] for h in history) <= eta
+    assert max(h["staleness/max"] for h in history) > 0  # replicas sampled while it trained
+    assert history[-1]["buffer/dropped"] == 0
+    adapter_bytes = fp32_adapter_bytes(cfg, tiny_model_dir)
+    assert all(h["weight_bus/bytes"] == adapter_bytes for h in history)  # the adapter alone
+    assert max(h["actor/grad_norm"] for h in history) > 0

@@ -8,9 +8,11 @@ Parts:
 - ``is_lora(model)``, ``hf_model(model)``: whether the model carries an adapter; the HF model
   inside (its decoder layers, config, heads).
 - ``adapter_disabled(model)``: the reference policy, i.e. the base model, with no second copy.
-- ``iter_merged_parameters``: what the replicas load: HF-named full parameters with the adapter
-  merged in (``W + alpha / rank * B @ A``); ``adapter_parameters`` counts what an
-  adapter-only publish would send.
+- ``iter_merged_parameters``: what replicas without LoRA support load: HF-named full
+  parameters with the adapter merged in (``W + alpha / rank * B @ A``).
+- ``iter_adapter_parameters``: what an adapter-only publish sends (``actor.lora.publish``): the
+  adapter's A and B under their PEFT checkpoint names (``adapter_model.safetensors``'s), which
+  vLLM loads as a LoRA adapter; ``adapter_parameters`` lists them as peft names them.
 
 Depends on torch, peft (imported when LoRA is on), the config, ``fsdp`` and the weight bus's
 protocol.
@@ -96,6 +98,33 @@ def iter_merged_parameters(
     # Merged weights are new memory; the rest is new when gathered from shards or cast.
     anew = all(n in layers or made_anew(p, dtype) for n, p in base)
     return HandedOver(merged) if anew else merged
+
+
+def adapter_name(name: str) -> str:
+    """The PEFT checkpoint name of an adapter parameter (peft saves it without the adapter's
+    name: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``)."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
+def iter_adapter_parameters(
+    model: nn.Module, dtype: torch.dtype | None = None, every_rank: bool = False
+) -> NamedTensors:
+    """The adapter's full tensors under their PEFT names, cast to ``dtype``; the base weights,
+    which never change, are not sent. Every rank must drive it to the end (each gather is a
+    collective)."""
+    adapter = adapter_parameters(model)
+    anew = all(made_anew(p, dtype) for _, p in adapter)
+    tensors = _adapter_tensors(adapter, dtype, every_rank)
+    return HandedOver(tensors) if anew else tensors
+
+
+def _adapter_tensors(adapter: list[tuple[str, nn.Parameter]], dtype: torch.dtype | None,
+                     every_rank: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, param in adapter:
+        full = _full(param).detach()
+        if rank == 0 or every_rank:
+            yield adapter_name(name), full.to(dtype or param.dtype)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

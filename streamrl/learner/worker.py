@@ -10,8 +10,10 @@ computes its own rows and the collectives make the results whole again:
 - ``update(batch)`` trains the actor (and critic); every rank returns the same metrics.
 - ``named_full_parameters(dtype, every_rank)``: rank 0 (every rank with ``every_rank``) yields
   (HF name, full tensor); other ranks must iterate too (they yield nothing). With LoRA
-  (``actor.lora.rank > 0``, learner/lora.py) the adapter is merged into the base weights, and
-  the reference policy is the actor with its adapter disabled, not a second model.
+  (``actor.lora.rank > 0``, learner/lora.py) they are the adapter's tensors alone when
+  ``actor.lora.publish`` resolves to adapter (replicas serve it as a vLLM LoRA adapter), else
+  the base weights with the adapter merged in; the reference policy is the actor with its
+  adapter disabled, not a second model.
 - ``offload()`` / ``reload()``: parameters, gradients and optimizer state to host memory and
   back (``learner.offload``, co-located mode); nothing moves on a CPU device.
 - ``save_checkpoint(step, extra)`` / ``load_checkpoint(path)``: atomic DCP checkpoints under
@@ -46,7 +48,12 @@ from streamrl.learner.fsdp import (
     mixed_precision,
     resolve_device,
 )
-from streamrl.learner.lora import hf_model, iter_merged_parameters, with_lora
+from streamrl.learner.lora import (
+    hf_model,
+    iter_adapter_parameters,
+    iter_merged_parameters,
+    with_lora,
+)
 from streamrl.learner.update_loop import sync_max
 from streamrl.models import resolve_model_path
 from streamrl.weight_bus.base import NamedTensors
@@ -82,6 +89,8 @@ class LearnerWorker:
         )
         # Rank 0 reads the checkpoint; the other ranks receive their shards (fsdp.load_sharded).
         self.lora = cfg.actor.lora.rank > 0
+        self.publish_adapter = cfg.actor.lora.publishes_adapter(cfg.rollout.backend,
+                                                                cfg.weight_bus.backend)
         load_actor = with_lora(load_causal_lm, cfg.actor.lora) if self.lora else load_causal_lm
         actor_model = load_sharded(load_actor, self.model_path, self.device, spec)
         self.actor = Actor(actor_model, cfg, self.plan, self.device)
@@ -150,6 +159,8 @@ class LearnerWorker:
     def named_full_parameters(
         self, dtype: torch.dtype | None = None, every_rank: bool = False
     ) -> NamedTensors:
+        if self.publish_adapter:  # replicas hold the base weights: the adapter is the news
+            return iter_adapter_parameters(self.actor.model, dtype, every_rank)
         if self.lora:  # replicas load the base weights with the adapter merged in
             return iter_merged_parameters(self.actor.model, dtype, every_rank)
         return iter_full_parameters(self.actor.model, dtype, every_rank)

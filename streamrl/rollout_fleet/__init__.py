@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamrl.config import Config, RolloutConfig
+from streamrl.config import Config, LoraConfig, RolloutConfig
 from streamrl.net import free_port
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams
 
@@ -19,7 +19,7 @@ __all__ = ["Completion", "RolloutEngine", "SamplingParams", "load_user_code", "m
 
 def make_engine(
     rollout: RolloutConfig, model_path: str, tokenizer: Any = None, *, version: int = 0,
-    in_process: bool = False,
+    in_process: bool = False, lora: LoraConfig | None = None,
 ) -> RolloutEngine:
     """Build the engine ``rollout.backend`` names for the HF model at ``model_path``.
 
@@ -29,6 +29,7 @@ def make_engine(
     ``tokenizer`` may be a tokenizer directory (used by vLLM) or a loaded tokenizer (ignored by
     the engines, which load their own from ``model_path``). Building a vLLM engine blocks while
     it starts (its engine-core process, or its thread in process: tens of seconds on CPU).
+    ``lora`` (vLLM only): serve weight versions as LoRA adapters of that shape.
     """
     import torch
 
@@ -37,13 +38,14 @@ def make_engine(
         from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
 
         return InprocVLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path,
-                                version=version)
+                                version=version, lora=lora)
     if in_process:
         raise ValueError(f"rollout.backend={rollout.backend!r}: only vLLM runs in process")
     if rollout.backend == "vllm":
         from streamrl.rollout_fleet.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path, version=version)
+        return VLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path, version=version,
+                          lora=lora)
     if rollout.backend == "hf":
         from streamrl.rollout_fleet.hf_engine import HFEngine
 

@@ -9,6 +9,13 @@ Parts:
   method ``streamrl_call`` runs a module-level function ``fn(worker, *args)`` named by its
   import path, so no code is pickled across the process boundary.
 - ``reload_from_payload``: the worker side of ``load_weights``.
+- LoRA adapters (``actor.lora.publish=adapter``, docs/lora.md): an engine built with a
+  ``LoraConfig`` serves each weight version as a vLLM LoRA adapter over the unchanging base.
+  ``AdapterVersions`` is the choice of adapter: a request gets the current version's
+  ``LoRARequest`` when it is submitted and keeps it to its end, so every token it samples
+  carries that version, while a new version is added beside it without pausing anything.
+  An adapter no request uses any more is removed (a use count per version).
+  ``add_adapter_tensors`` (worker side) registers an adapter from tensors in memory.
 
 How the contract maps onto vLLM 0.32:
 
@@ -33,6 +40,14 @@ How the contract maps onto vLLM 0.32:
   pre-packed copies, DESIGN.md §11): ``cpu_reload.reload_in_place`` loads and re-packs them,
   and models it does not handle go through vLLM's ``model_runner.reload_weights``. On GPU the
   model's own ``load_weights`` is used.
+* Adapters: vLLM loads a LoRA adapter from a PEFT directory named by ``LoRARequest.lora_path``
+  and keeps it in an LRU cache of ``max_cpu_loras``; ``add_adapter_tensors`` builds the same
+  ``LoRAModel`` from the received tensors (``LoRAModel.from_lora_tensors``, what the directory
+  loader calls after reading the file) and puts it in that cache, so no file is written or read.
+  Requests then name it by id, and vLLM's worker finds it loaded. The cache never evicts one in
+  use: adapters are removed when idle, and at most ``MAX_CPU_LORAS`` versions are in flight at
+  once (about the staleness bound + 2). Versions come from ``AdapterVersions``, not vLLM's
+  weight-version spans (the base weights, which that label tracks, never change).
 * ``sleep``/``wake_up``: vLLM's sleep mode needs CUDA's memory pool; on CPU both are no-ops.
 * Eager on CPU: ``enforce_eager`` stops vLLM compiling the model, but a few sampler helpers
   stay ``torch.compile``d (the sampled token's rank in ``gather_logprobs``); on CPU inductor
@@ -49,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib
+import itertools
 import logging
 import os
 import time
@@ -58,7 +74,7 @@ from typing import Any
 
 import torch
 
-from streamrl.config import RolloutConfig
+from streamrl.config import LoraConfig, RolloutConfig
 from streamrl.rollout_fleet.cpu_reload import reload_in_place
 from streamrl.rollout_fleet.engine import (
     Completion,
@@ -73,6 +89,22 @@ WORKER_EXTENSION = f"{__name__}.WorkerExtension"
 
 WeightPayload = list[tuple[str, str, list[int], bytes]]
 """Weights as msgpack-encodable rows: (HF name, torch dtype name, shape, raw bytes)."""
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM 0.32 accepts."""
+MAX_LORAS = 4
+"""Adapters (versions) one engine step may mix; requests of a further version wait a step."""
+MAX_CPU_LORAS = 32
+"""Adapters kept loaded: versions with requests in flight, far above any staleness bound."""
+IN_MEMORY = "streamrl-in-memory"
+"""``LoRARequest.lora_path`` of adapters registered from tensors (vLLM requires a path; it is
+read only if the adapter were evicted, which use counts prevent)."""
+
+
+def is_adapter(names: Iterable[str]) -> bool:
+    """Whether these weight names are a LoRA adapter's (PEFT names), not a model's."""
+    listed = list(names)
+    return bool(listed) and all(".lora_A." in n or ".lora_B." in n for n in listed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +132,40 @@ def reload_from_payload(worker: Any, payload: WeightPayload) -> int:
     ]
     load_into_worker(worker, weights)
     return len(weights)
+
+
+def register_adapter_payload(worker: Any, payload: WeightPayload, lora_id: int,
+                             config: dict[str, Any]) -> int:
+    """Worker side of ``VLLMEngine.load_weights`` for an adapter; returns the tensor count."""
+    tensors = [(name, _tensor(raw, dtype, shape)) for name, dtype, shape, raw in payload]
+    add_adapter_tensors(worker, tensors, lora_id, config)
+    return len(tensors)
+
+
+def add_adapter_tensors(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]], lora_id: int,
+                        config: dict[str, Any]) -> None:
+    """Register an adapter (PEFT-named tensors, ``config`` as in ``adapter_config.json``) in the
+    worker's LoRA cache as ``lora_id``: vLLM's own directory loader (``WorkerLoRAManager.
+    _load_adapter``) minus the file. The tensors are copied (they may be receive buffers)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(
+        {**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    adapters = manager._adapter_manager
+    model = adapters.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    dtype = manager.lora_config.lora_dtype
+    lora = manager._lora_model_cls.from_lora_tensors(
+        lora_id, {name: t.to(dtype=dtype, copy=True) for name, t in tensors}, helper,
+        device="cpu", dtype=dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    if len(adapters) >= adapters.capacity:  # adding would evict one that requests may use
+        raise RuntimeError(f"vLLM holds {len(adapters)} LoRA adapters (max_cpu_loras): none "
+                           f"idle to make room for adapter {lora_id}")
+    adapters.add_adapter(lora)
 
 
 def load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -203,13 +269,23 @@ def function_target(fn: Callable[..., Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | None = None) -> Any:
-    """The ``AsyncEngineArgs`` a VLLMEngine is built from (one place for every knob)."""
+def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | None = None,
+                lora: LoraConfig | None = None) -> Any:
+    """The ``AsyncEngineArgs`` a VLLMEngine is built from (one place for every knob); with
+    ``lora``, LoRA adapters of its rank are served (``AdapterVersions``)."""
     from huggingface_hub.utils import are_progress_bars_disabled
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     if rollout.enforce_eager and not torch.cuda.is_available():
         _disable_torch_compile()
+    adapters: dict[str, Any] = {}
+    if lora is not None:
+        rank = next((r for r in LORA_RANKS if r >= lora.rank), None)
+        if rank is None:
+            raise ValueError(f"actor.lora.rank={lora.rank}: vLLM serves adapters of rank "
+                             f"<= {LORA_RANKS[-1]}")
+        adapters = {"enable_lora": True, "max_lora_rank": rank, "max_loras": MAX_LORAS,
+                    "max_cpu_loras": MAX_CPU_LORAS}
     return AsyncEngineArgs(
         model=model_path,
         tokenizer=tokenizer_path or model_path,
@@ -227,6 +303,7 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
         disable_log_stats=True,
         # One switch for every loader's bars (streamrl.logs quiets them below debug).
         use_tqdm_on_load=not are_progress_bars_disabled(),
+        **adapters,
     )
 
 
@@ -253,6 +330,64 @@ def _versions_from_spans(spans: list[Any] | None, num_tokens: int) -> list[int] 
     if len(versions) != num_tokens or any(v is None for v in versions):
         return None
     return [int(v) for v in versions if v is not None]
+
+
+class AdapterVersions:
+    """Which LoRA adapter new requests get, and how many requests in flight use each one.
+
+    ``acquire`` (a request starts: the current version and its ``LoRARequest``; ``None``
+    before the first adapter, i.e. the base model, which is the adapter at step 0) and
+    ``release`` (it ended) count uses; ``adopt`` makes a newly registered adapter current.
+    ``release`` and ``adopt`` return the id of an adapter that just became idle and is not
+    current: the engine removes it from vLLM.
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.current: Any = None  # LoRARequest
+        self._uses: dict[int, int] = {}
+        self._ids = itertools.count(1)  # vLLM ids are > 0, unique per adapter
+
+    def new_request(self, version: int) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._ids)
+        return LoRARequest(f"v{version}-{lora_id}", lora_id, f"{IN_MEMORY}/{lora_id}")
+
+    def acquire(self) -> tuple[int, Any]:
+        if self.current is not None:
+            self._uses[self.current.lora_int_id] += 1
+        return self.version, self.current
+
+    def release(self, lora: Any) -> int | None:
+        if lora is None:
+            return None
+        lora_id = lora.lora_int_id
+        self._uses[lora_id] -= 1
+        return self._idle(lora_id)
+
+    def adopt(self, version: int, lora: Any) -> int | None:
+        old, self.current, self.version = self.current, lora, version
+        self._uses[lora.lora_int_id] = 0
+        return None if old is None else self._idle(old.lora_int_id)
+
+    def _idle(self, lora_id: int) -> int | None:
+        if self._uses[lora_id] or (self.current is not None
+                                    and self.current.lora_int_id == lora_id):
+            return None
+        del self._uses[lora_id]
+        return lora_id
+
+    def loaded(self) -> set[int]:
+        """Ids of the adapters registered and not yet removed."""
+        return set(self._uses)
+
+
+def stamp(done: list[Completion], version: int) -> list[Completion]:
+    """Every token of a request that ran on one adapter carries that adapter's version."""
+    for c in done:
+        c.versions = [version] * len(c.token_ids)
+    return done
 
 
 @dataclass
@@ -343,14 +478,19 @@ class VLLMEngine(RolloutEngine):
         *,
         tokenizer_path: str | None = None,
         version: int = 0,
+        lora: LoraConfig | None = None,
     ) -> None:
+        """``lora``: serve versions as LoRA adapters of this shape (``load_weights`` of an
+        adapter's tensors; the module docstring)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         start = time.perf_counter()
         self._async_llm: Any = AsyncLLM.from_engine_args(
-            engine_args(model_path, rollout, tokenizer_path))
+            engine_args(model_path, rollout, tokenizer_path, lora))
         self.startup_s = time.perf_counter() - start
         self._version = version
+        self._adapters = None if lora is None else AdapterVersions(version)
+        self._adapter_config = {} if lora is None else lora.adapter_config()
         self._label_set = False
         self._paused = False
         self._swap_lock = asyncio.Lock()
@@ -401,17 +541,31 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"generate: request_id={request_id!r} is already in flight")
         self._live.add(request_id)
         streams = [SampleStream() for _ in range(sampling.n)]
+        adapter_version, lora = (-1, None) if self._adapters is None else self._adapters.acquire()
+        finished = False
         try:
             async for out in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, sampling,
-                                                request_id=request_id):
+                                                request_id=request_id, lora_request=lora):
                 version = self._version  # stamped on arrival; exact spans come at the end
                 for delta in out.outputs:
                     streams[delta.index].absorb(delta, version, request_id)
                     if on_tokens is not None and delta.token_ids:
                         on_tokens(list(delta.token_ids))
+                finished = out.finished
         finally:
             self._live.discard(request_id)
-        return completions(streams, greedy_copies, request_id)
+            if self._adapters is not None:
+                await self._release(lora, request_id, finished)
+        done = completions(streams, greedy_copies, request_id)
+        return done if self._adapters is None else stamp(done, adapter_version)
+
+    async def _release(self, lora: Any, request_id: str, finished: bool) -> None:
+        assert self._adapters is not None
+        idle = self._adapters.release(lora)
+        if idle is not None:
+            if not finished:  # the core must drop the request before its adapter goes
+                await self._llm.abort(request_id)
+            await self._llm.remove_lora(idle)
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens sampled so far by a request in flight, over its samples (0 if unknown). Read
@@ -464,7 +618,31 @@ class VLLMEngine(RolloutEngine):
         payload = to_payload(weights)
         if not payload:
             raise ValueError(f"load_weights(version={version}): no weights given")
-        await self.load_weights_with(reload_from_payload, (payload,), version)
+        if self._adapters is not None:
+            await self.add_adapter_with(register_adapter_payload, (payload,), version)
+        else:
+            await self.load_weights_with(reload_from_payload, (payload,), version)
+
+    async def add_adapter_with(self, fn: str | Callable[..., Any], args: tuple[Any, ...],
+                               version: int) -> None:
+        """Make ``version`` an adapter that ``fn(worker, *args, lora_id, adapter_config)``
+        registers in the worker (through ``add_adapter_tensors``), and current: requests
+        submitted from now on use it, those in flight keep theirs. Nothing pauses."""
+        if self._adapters is None:
+            raise RuntimeError(f"version {version} is a LoRA adapter, but this vLLM engine was "
+                               "built without LoRA (actor.lora.publish=merged?)")
+        async with self._swap_lock:
+            lora = self._adapters.new_request(version)
+            await self.collective_rpc(fn, (*args, lora.lora_int_id, self._adapter_config))
+            idle = self._adapters.adopt(version, lora)
+            self._version = version
+            if idle is not None:
+                await self._llm.remove_lora(idle)
+
+    def adapters_loaded(self) -> set[int]:
+        """Ids of the LoRA adapters this engine holds in vLLM (the current one and those in
+        use); empty without LoRA."""
+        return set() if self._adapters is None else self._adapters.loaded()
 
     async def load_weights_with(
         self, fn: str | Callable[..., Any], args: tuple[Any, ...], version: int

@@ -19,6 +19,9 @@ How it works:
   then adopts that world and gives each rank a tensor-parallel group of its own (vLLM's
   "external data parallel" layout), which is why every hybrid rank must build its engine at the
   same time (``new_group`` is collective).
+- LoRA (built with a ``LoraConfig``): ``load_weights`` of an adapter's tensors registers them
+  as the new version's adapter between two steps, without pausing; each request keeps the
+  adapter it was submitted with, and idle ones are removed (``vllm_engine.AdapterVersions``).
 - ``sleep``/``wake_up``: vLLM sleep mode (frees KV cache and weights) on GPUs; no-ops on CPU.
 
 Dependencies: engine.py (protocol), vllm_engine.py (engine args, sampling, streams, loading).
@@ -38,13 +41,17 @@ from typing import Any
 
 import torch
 
-from streamrl.config import RolloutConfig
+from streamrl.config import LoraConfig, RolloutConfig
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
 from streamrl.rollout_fleet.vllm_engine import (
+    AdapterVersions,
     SampleStream,
+    add_adapter_tensors,
     completions,
     engine_args,
+    is_adapter,
     load_into_worker,
+    stamp,
     vllm_sampling,
 )
 
@@ -69,11 +76,15 @@ class InprocVLLMEngine(RolloutEngine):
     """A vLLM ``LLMEngine`` in this process, stepped by its own thread (module docstring)."""
 
     def __init__(self, model_path: str, rollout: RolloutConfig, *,
-                 tokenizer_path: str | None = None, version: int = 0, threads: int = 1) -> None:
+                 tokenizer_path: str | None = None, version: int = 0, threads: int = 1,
+                 lora: LoraConfig | None = None) -> None:
         """``threads``: torch intra-op threads of the engine thread (the hybrid worker gives
-        the engine the whole bundle while the learner waits)."""
+        the engine the whole bundle while the learner waits). ``lora``: versions are LoRA
+        adapters of this shape."""
         self._loop = asyncio.get_running_loop()
         self._version = version
+        self._adapters = None if lora is None else AdapterVersions(version)
+        self._adapter_config = {} if lora is None else lora.adapter_config()
         self._paused = False
         self._closed = False
         self._error: BaseException | None = None
@@ -84,7 +95,7 @@ class InprocVLLMEngine(RolloutEngine):
         self._owns_world = not torch.distributed.is_initialized()
         built: concurrent.futures.Future[float] = concurrent.futures.Future()
         self._thread = threading.Thread(
-            target=self._run, args=(model_path, rollout, tokenizer_path, threads, built),
+            target=self._run, args=(model_path, rollout, tokenizer_path, lora, threads, built),
             name="vllm-engine", daemon=True)
         self._thread.start()
         try:
@@ -101,7 +112,8 @@ class InprocVLLMEngine(RolloutEngine):
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self, model_path: str, rollout: RolloutConfig, tokenizer_path: str | None,
-             threads: int, built: concurrent.futures.Future[float]) -> None:
+             lora: LoraConfig | None, threads: int,
+             built: concurrent.futures.Future[float]) -> None:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         start = time.perf_counter()
@@ -109,7 +121,7 @@ class InprocVLLMEngine(RolloutEngine):
             # Before the engine: vLLM's CPU worker disables torch.set_num_threads once built.
             torch.set_num_threads(threads)
             self._llm = LLMEngine.from_engine_args(
-                engine_args(model_path, rollout, tokenizer_path))
+                engine_args(model_path, rollout, tokenizer_path, lora))
             self._llm.set_weight_version(str(self._version))
         except BaseException as exc:  # the constructor raises it in the caller's thread
             built.set_exception(exc)
@@ -205,8 +217,10 @@ class InprocVLLMEngine(RolloutEngine):
         request = self._live[request_id] = _Request(
             [SampleStream() for _ in range(sampling.n)], on_tokens)
         prompt = {"prompt_token_ids": list(prompt_ids)}
+        adapter_version, lora = (-1, None) if self._adapters is None else self._adapters.acquire()
         try:
-            await self._call(lambda: self._llm.add_request(request_id, prompt, sampling))
+            await self._call(lambda: self._llm.add_request(request_id, prompt, sampling,
+                                                           lora_request=lora))
             await request.done.wait()
         finally:
             del self._live[request_id]
@@ -214,10 +228,15 @@ class InprocVLLMEngine(RolloutEngine):
                 # The caller went away (cancelled): stop sampling for nobody.
                 self._commands.put((lambda: self._llm.abort_request([request_id]),
                                     concurrent.futures.Future()))
+            idle = None if self._adapters is None else self._adapters.release(lora)
+            if idle is not None and self._thread.is_alive():  # after the abort: commands are
+                self._commands.put((lambda: self._llm.remove_lora(idle),  # run in order
+                                    concurrent.futures.Future()))
         if self._error is not None:
             raise RuntimeError(f"generate({request_id}): the in-process vLLM engine failed: "
                                f"{self._error!r}")
-        return completions(request.streams, greedy_copies, request_id)
+        done = completions(request.streams, greedy_copies, request_id)
+        return done if self._adapters is None else stamp(done, adapter_version)
 
     def num_tokens(self, request_id: str) -> int:
         """Tokens received so far by a request in flight, over its samples (0 if unknown)."""
@@ -241,7 +260,25 @@ class InprocVLLMEngine(RolloutEngine):
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int
                            ) -> None:
-        await self._call(lambda: self._swap(weights, version))
+        if self._adapters is None:
+            await self._call(lambda: self._swap(weights, version))
+            return
+        tensors = list(weights)
+        if not is_adapter(name for name, _ in tensors):
+            raise ValueError(f"load_weights(version={version}): this engine serves LoRA "
+                             "adapters (actor.lora.publish=adapter) and got full weights")
+        lora = self._adapters.new_request(version)
+        # Between two steps; requests in flight keep the adapter they were submitted with.
+        await self._call(lambda: self._llm.collective_rpc(
+            add_adapter_tensors, args=(tensors, lora.lora_int_id, self._adapter_config)))
+        idle = self._adapters.adopt(version, lora)
+        self._version = version
+        if idle is not None:
+            await self._call(lambda: self._llm.remove_lora(idle))
+
+    def adapters_loaded(self) -> set[int]:
+        """Ids of the LoRA adapters this engine holds in vLLM; empty without LoRA."""
+        return set() if self._adapters is None else self._adapters.loaded()
 
     def _swap(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """On the engine thread: load ``weights`` in place, then adopt ``version``."""

@@ -6,7 +6,9 @@
 (``receiver_class``). Backends: ``collective/`` (bucketed broadcast on a dedicated gloo/NCCL
 group, ``control`` for ZMQ announcements and acks), ``colocated`` (in-place swap in the
 learner's process), and the receivers that land versions in an engine, ``vllm_receiver``
-(inside the vLLM worker) and ``sglang_receiver`` (relayed into SGLang's distributed update API).
+(inside the vLLM worker) and ``sglang_receiver`` (relayed into SGLang's distributed update API);
+``adapter`` marks a LoRA adapter version received in the replica's process as hot (added
+without a pause, docs/lora.md).
 
 Dependencies point inward: backends import ``base``; this module imports backends only inside
 the factories, when chosen, so importing the package stays cheap (vLLM's worker imports it).
@@ -124,7 +126,10 @@ def make_receiver(
 
     cls = receiver_class(engine)
     if cls is CollectiveReceiver:
-        return CollectiveReceiver(endpoint, sink, receiver_id=receiver_id,
+        from streamrl.weight_bus.adapter import hot_adapters
+
+        # A LoRA adapter version reaches the sink marked hot (added without a pause).
+        return CollectiveReceiver(endpoint, hot_adapters(sink), receiver_id=receiver_id,
                                   timeout_s=cfg.timeout_s, **kwargs)
     # The engine's receivers (subclasses of CollectiveReceiver) take (endpoint, engine, *, sink).
     engine_receiver: Callable[..., WeightReceiver] = cls

@@ -18,6 +18,9 @@ Parts:
   replica sees is the reload plus a few engine round trips, not the transfer. A replica's update
   entry point should call ``load_into`` when the weights it gets have it, and
   ``engine.load_weights`` otherwise.
+- ``StagedAdapter``: the same for a LoRA adapter's tensors (``actor.lora.publish=adapter``):
+  ``hot`` (a replica adds it without pausing or draining), and ``load_into`` registers it as
+  the engine's new version (``engine.add_adapter_with(commit_adapter, ...)``), in memory.
 - ``VLLMReceiver``: ``CollectiveReceiver`` with this landing; its default sink is ``load_into``.
 
 One worker per engine (tensor_parallel_size=1): the worker is one rank of the weight group.
@@ -131,6 +134,18 @@ def commit_staged(worker: Any, publish_id: str) -> float:
     return time.perf_counter() - start
 
 
+def commit_adapter(worker: Any, publish_id: str, lora_id: int, config: dict[str, Any]) -> float:
+    """Register a staged adapter in the worker's LoRA cache; returns the seconds it took."""
+    from streamrl.rollout_fleet.vllm_engine import add_adapter_tensors
+
+    stage = _STAGES.pop(publish_id, None)
+    if stage is None or not stage.done.is_set() or stage.error:
+        raise RuntimeError(f"weight bus: no completed staged adapter {publish_id} in this worker")
+    start = time.perf_counter()
+    add_adapter_tensors(worker, stage.tensors, lora_id, config)
+    return time.perf_counter() - start
+
+
 def discard_staged(worker: Any, publish_id: str) -> bool:
     del worker
     return _STAGES.pop(publish_id, None) is not None
@@ -154,6 +169,24 @@ class StagedWeights:
             "StagedWeights live inside the vLLM worker: load them with "
             "`await weights.load_into(engine, version)`, not by iterating them"
         )
+
+
+@dataclass(frozen=True)
+class StagedAdapter(StagedWeights):
+    """A LoRA adapter received into the vLLM worker (see the module docstring)."""
+
+    hot = True
+    """Added beside the adapter in use: in-flight requests keep theirs, nothing pauses."""
+
+    async def load_into(self, engine: Any, version: int) -> None:
+        await engine.add_adapter_with(commit_adapter, (self.publish_id,), version)
+
+
+def staged(publish_id: str, manifest: WeightManifest) -> StagedWeights:
+    from streamrl.rollout_fleet.vllm_engine import is_adapter
+
+    names = (t.name for bucket in manifest.buckets for t in bucket.tensors)
+    return (StagedAdapter if is_adapter(names) else StagedWeights)(publish_id, manifest)
 
 
 class VLLMWorkerLanding:
@@ -213,7 +246,7 @@ class VLLMWorkerLanding:
             if reply.error or reply.manifest is None:
                 raise WeightBusError(f"weight bus: vLLM worker failed to receive version "
                                      f"{announce.version}: {reply.error}")
-            return reply.manifest, StagedWeights(announce.publish_id, reply.manifest)
+            return reply.manifest, staged(announce.publish_id, reply.manifest)
 
     def _check_engine(self, announce: Announce, timeout: float) -> None:
         """Raise if the engine died, or does not answer within ``timeout``, mid-receive."""
