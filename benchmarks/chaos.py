@@ -13,11 +13,20 @@ descendants by their title (``cmdline[0]``):
 - ``engine_core_kill``: kill -9 a ``VLLM::EngineCore``. Expected: recovered ("its engine core
   died");
 - ``learner_kill``: kill -9 the ``ray::LearnerActor`` (world size 1: the only rank). Expected:
-  the run stops with an error (exit code != 0); then the same command with
-  ``trainer.resume=auto`` (same output dir and buffer run) finishes;
+  recovered: the run itself starts a new rank from the last checkpoint ("learner restarted
+  from"), its replicas kept;
+- ``learner_kill_resume``: the same with ``runtime.max_restarts=0``. Expected: the run stops
+  with one clear line (exit code != 0); then the same command with ``trainer.resume=auto``
+  (same output dir and buffer run) finishes;
+- ``buffer_actor_kill``: with ``buffer=memory`` (no Redis), kill -9 the ``ray::BufferActor``.
+  Expected: recovered ("re-created it as"); lost = the groups queued in it, as the run's warning
+  counts them (as of the step before);
 - ``redis_restart``: stop redis-server (SIGTERM: it flushes its append-only file), keep it down
   ``REDIS_DOWN_S`` and start it again on the same port and dir (down ~1.5 s in all). Expected:
   the run carries on, or stops with one clear line;
+- ``redis_empty``: the same, but Redis comes back empty (a new data dir: a server without
+  persistence). Expected: recovered; the learner re-creates the run's keys and warns once; lost
+  = what that warning counts (the stats hash's ``lost``);
 - ``bus_receiver_kill``: kill -9 a weight-bus receiver mid-broadcast. A receiver is two halves
   of a replica: ZMQ control and heartbeats in the ``ray::ReplicaActor``, the gloo data plane in
   its ``VLLM::EngineCore``; both are killed together the moment Ray retitles the learner
@@ -48,9 +57,11 @@ a shared machine: expect noise.
 
     .venv/bin/python benchmarks/chaos.py [--steps 80 --fault-step 5] [--work-dir DIR]
 
-Goals: every scenario recovered or stopped with a clear error (learner_kill: and the resume
-finished; driver_sigterm: any exit, nothing left) within 60 s with lost = duplicated = 0; no
-process outlives its run.
+Goals: every scenario recovered (the run then finished, exit code 0) or stopped with a clear
+error (learner_kill_resume: and the resume finished; driver_sigterm: any exit, nothing left)
+within 60 s, with duplicated = 0 and lost = 0, except where a fault destroys the only copy of
+queued groups (buffer_actor_kill, redis_empty): there lost is what the run itself reported; no
+process outlives its run. Short settings (``--steps 20 --fault-step 5``) fit a 2-core machine.
 
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 (chaos_<scenario> and chaos_no_orphans; ``streamrl.testing.result_line``).
@@ -101,6 +112,11 @@ REDIS_DOWN_S = 1.0  # how long Redis stays stopped (on top of its stop and start
 REPLICA, ENGINE, LEARNER = "ray::ReplicaActor", "VLLM::EngineCore", "ray::LearnerActor"
 PUBLISHING = LEARNER + ".publish"  # Ray's title for an actor while it runs that method
 RECREATED = "re-created (incarnation"
+LEARNER_RESTARTED = "learner restarted from"
+BUFFER_RECREATED = "re-created it as"
+BUFFER_ACTOR = "ray::BufferActor"
+# The warnings that count what a fault lost (RemoteBuffer._reattach, RedisBuffer._recreate).
+LOST = re.compile(r"lost the (\d+) group\(s\) queued")
 FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\(")  # "(ReplicaActor pid=..)", "(raylet)": workers'
 
 
@@ -114,10 +130,13 @@ class RedisServer:
         self.url = f"redis://{HOST}:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, empty: bool = False) -> None:
+        """Start on the port; ``empty``: without the data written so far (no persistence)."""
         server = shutil.which("redis-server")
         if server is None:
             raise FileNotFoundError("redis-server is not installed: run scripts/setup.sh")
+        if empty:
+            shutil.rmtree(self.workdir / "appendonlydir", ignore_errors=True)
         self.proc = subprocess.Popen(
             [server, "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly",
              "yes", "--dir", str(self.workdir), "--daemonize", "no", "--logfile",
@@ -314,6 +333,9 @@ class Result:
     trained_ids: Counter[str] = field(default_factory=Counter)
     accepted: tuple[str, ...] = ("recovered", "stopped with a clear error")
     also: bool = True  # the scenario's own condition: the resume finished, nothing left
+    reported_lost: int | None = None
+    """Groups the run said it lost (a fault that destroys the only copy of queued groups); None:
+    lost is measured from the Redis counters and must be 0."""
 
     @property
     def orphans(self) -> int:
@@ -326,6 +348,8 @@ class Result:
 
     @property
     def lost(self) -> int:
+        if self.reported_lost is not None:
+            return self.reported_lost
         s = self.stats
         return int(s.get("produced", 0) - s.get("consumed", 0) - s.get("queued", 0)
                    - s.get("dropped", 0))
@@ -344,8 +368,10 @@ class Result:
 
     @property
     def met(self) -> bool:
+        recovered_and_finished = self.outcome != "recovered" or self.finished
         return (self.also and self.outcome in self.accepted and self.seconds is not None
-                and self.seconds <= GOAL_S and self.lost == 0 and self.duplicated == 0)
+                and self.seconds <= GOAL_S and recovered_and_finished and self.duplicated == 0
+                and (self.lost == 0 or self.reported_lost is not None))
 
 
 @dataclass(frozen=True)
@@ -360,17 +386,19 @@ class Context:
     runs: list[TrainRun] = field(default_factory=list)  # every run launched, to finish
 
     def launch(self, name: str, *extra: str, run: str | None = None,
-               log: str = "train.log") -> tuple[TrainRun, str]:
+               log: str = "train.log", redis: bool = True) -> tuple[TrainRun, str]:
+        """``redis`` False: the memory buffer (in its actor) instead of this Redis."""
         out = self.work / name / "out"
         out.mkdir(parents=True, exist_ok=True)
         run = run or f"chaos-{name}-{uuid.uuid4().hex[:8]}"
+        buffer = (["buffer=redis", f"buffer.redis_url={self.redis.url}", f"buffer.run={run}"]
+                  if redis else ["buffer=memory"])
         args = [sys.executable, "-m", "streamrl.cli", "train", f"model.path={self.model}",
                 f"trainer.total_steps={self.steps}", "trainer.logger=[jsonl]",
                 f"trainer.output_dir={out}", "trainer.save_freq=5", "trainer.max_to_keep=0",
                 "runtime.num_cpus=2",
                 "rollout.num_replicas=2", "runtime.cpus_per_replica=0.5",
-                "runtime.heartbeat_s=1", "buffer=redis", f"buffer.redis_url={self.redis.url}",
-                f"buffer.run={run}", *self.overrides, *extra]
+                "runtime.heartbeat_s=1", *buffer, *self.overrides, *extra]
         self.runs.append(TrainRun(args, self.work / name / log, out))
         return self.runs[-1], run
 
@@ -405,12 +433,13 @@ def kill_first(run: TrainRun, title: str) -> tuple[psutil.Process, Fault]:
     return victim, run.mark()
 
 
-def kill_role(ctx: Context, name: str, title: str, expected: tuple[str, ...]) -> Result:
-    run, buffer_run = ctx.launch(name)
+def kill_role(ctx: Context, name: str, title: str, expected: tuple[str, ...],
+              marker: str = RECREATED, redis: bool = True) -> Result:
+    run, buffer_run = ctx.launch(name, redis=redis)
     run.wait_for_step(ctx.fault_step)
     victim, fault = kill_first(run, title)
     result = recover_or_stop(ctx, name, run, buffer_run, fault, f"killed pid {victim.pid}",
-                             marker=RECREATED)
+                             marker=marker)
     text = run.text(fault.log_offset)
     missing = [line for line in expected if line not in text]
     result.note += "; expected log lines " + (f"missing: {missing}" if missing else "present")
@@ -427,8 +456,42 @@ def engine_core_kill(ctx: Context) -> Result:
 
 
 def learner_kill(ctx: Context) -> Result:
-    name = "learner_kill"
-    run, buffer_run = ctx.launch(name)
+    result = kill_role(ctx, "learner_kill", LEARNER, ("restarting the learner from",),
+                       marker=LEARNER_RESTARTED)
+    recreated = RECREATED in ctx.runs[-1].text()
+    result.note += f"; replicas re-created: {'yes' if recreated else 'no (kept)'}"
+    return result
+
+
+def buffer_actor_kill(ctx: Context) -> Result:
+    result = kill_role(ctx, "buffer_actor_kill", BUFFER_ACTOR, (BUFFER_RECREATED,),
+                       marker=BUFFER_RECREATED, redis=False)
+    result.reported_lost = reported_lost(ctx.runs[-1].text())
+    result.stats = memory_stats(ctx, result.rows)
+    return result
+
+
+def memory_stats(ctx: Context, rows: list[dict[str, Any]]) -> dict[str, float]:
+    """What ``RedisServer.stats`` gives for a Redis run, for a memory one: the buffer counters
+    of its last step logged, with the run's bound from its config."""
+    from streamrl.config import load_config
+
+    cfg = load_config(["buffer=memory", *ctx.overrides])
+    counters = {k.removeprefix("buffer/"): v for k, v in (rows[-1] if rows else {}).items()
+                if k.startswith("buffer/")}
+    return {**counters, "groups_per_step": cfg.task.train_batch_size,
+            "max_staleness": cfg.buffer.max_staleness}
+
+
+def reported_lost(text: str) -> int | None:
+    """The groups the run's recovery warnings say were lost; None if none said so."""
+    counts = [int(n) for n in LOST.findall(text)]
+    return sum(counts) if counts else None
+
+
+def learner_kill_resume(ctx: Context) -> Result:
+    name = "learner_kill_resume"
+    run, buffer_run = ctx.launch(name, "runtime.max_restarts=0")
     run.wait_for_step(ctx.fault_step)
     _, fault = kill_first(run, LEARNER)
     code = run.wait_exit(ctx.timeout)
@@ -451,17 +514,25 @@ def learner_kill(ctx: Context) -> Result:
                   trained_ids=resumed.trained_ids())
 
 
-def redis_restart(ctx: Context) -> Result:
-    name = "redis_restart"
+def redis_restart(ctx: Context, name: str = "redis_restart", empty: bool = False) -> Result:
     run, buffer_run = ctx.launch(name)
     run.wait_for_step(ctx.fault_step)
     fault = run.mark()
     ctx.redis.stop()
     time.sleep(REDIS_DOWN_S)
-    ctx.redis.start()
+    ctx.redis.start(empty=empty)
     down_s = time.monotonic() - fault.at
     return recover_or_stop(ctx, name, run, buffer_run, fault, f"Redis down {down_s:.1f} s",
                            rows=len(run.rows()))
+
+
+def redis_empty(ctx: Context) -> Result:
+    result = redis_restart(ctx, "redis_empty", empty=True)
+    warned = ctx.runs[-1].text().count("keys are gone from Redis")
+    result.note += f"; {warned} warning(s) that the keys were gone"
+    if warned:
+        result.reported_lost = int(result.stats.get("lost", 0))
+    return result
 
 
 def bus_receiver_kill(ctx: Context) -> Result:
@@ -510,25 +581,28 @@ SCENARIOS: dict[str, Callable[[Context], Result]] = {
     "replica_kill": replica_kill,
     "engine_core_kill": engine_core_kill,
     "learner_kill": learner_kill,
+    "learner_kill_resume": learner_kill_resume,
+    "buffer_actor_kill": buffer_actor_kill,
     "redis_restart": redis_restart,
+    "redis_empty": redis_empty,
     "bus_receiver_kill": bus_receiver_kill,
     "driver_sigterm": driver_sigterm,
 }
 
 
 def print_table(results: list[Result]) -> None:
-    print(f"{'scenario':<18}{'outcome':<28}{'s':>6}{'produced':>9}{'consumed':>9}"
+    print(f"{'scenario':<21}{'outcome':<28}{'s':>6}{'produced':>9}{'consumed':>9}"
           f"{'trained':>8}{'queued':>7}{'dropped':>8}{'lost':>5}{'dup':>4}{'stale':>8}"
-          f"{'left':>5}")
+          f"{'left':>5}{'rc0':>5}")
     for r in results:
         s = r.stats
         seconds = "-" if r.seconds is None else f"{r.seconds:.1f}"
         stale = f"{r.staleness_max:g}/{s.get('max_staleness', 0):g}" + \
             ("" if r.staleness_held else "!")
-        print(f"{r.scenario:<18}{r.outcome:<28}{seconds:>6}{s.get('produced', 0):>9.0f}"
+        print(f"{r.scenario:<21}{r.outcome:<28}{seconds:>6}{s.get('produced', 0):>9.0f}"
               f"{s.get('consumed', 0):>9.0f}{r.trained:>8}{s.get('queued', 0):>7.0f}"
               f"{s.get('dropped', 0):>8.0f}{r.lost:>5}{r.duplicated:>4}{stale:>8}"
-              f"{r.orphans:>5}")
+              f"{r.orphans:>5}{'yes' if r.finished else 'no':>5}")
     for r in results:
         print(f"  {r.scenario}: {r.note}" + (f"; left: {r.left}" if r.left else ""))
 

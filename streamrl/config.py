@@ -41,7 +41,7 @@ from streamrl.plugins import AGENT_ENVS
 __all__ = ["MODE_PRESETS", "Config", "ConfigError", "check_serving", "load_config", "replace",
            "validate", "with_mode"]
 
-UPDATE_POLICIES = ("drain", "pause", "abort")
+UPDATE_POLICIES = ("drain", "pause", "abort", "rolling")
 DTYPES = ("float32", "bfloat16", "float16")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -88,7 +88,8 @@ class ModePreset:
 MODE_PRESETS: dict[str, ModePreset] = {
     "sync": ModePreset(0, ("drain",)),  # nothing overlaps: batch V+1 is sampled by weights V
     "one_step_off": ModePreset(1, ("drain",)),  # sampling of batch V+1 with training of V
-    "fully_async": ModePreset(None, ("pause", "abort", "drain")),  # everything, continuously
+    # everything, continuously; rolling: replicas swap k at a time, the others keep sampling
+    "fully_async": ModePreset(None, ("pause", "abort", "drain", "rolling")),
 }
 """Also fixed by every mode: replicas must never lag more versions behind than eta allows, so
 ``weight_bus.sync_every <= eta + 1`` (a group sampled by weights published k steps ago is k
@@ -192,9 +193,18 @@ class RolloutConfig:
     """ReMax: with each group, sample one greedy response to the prompt and score it; its
     reward travels in the group (``Group.baseline_reward``) as the advantage baseline.
     ``algorithm=remax`` turns it on."""
+    partial_flush_s: float = 10.0
+    """With ``buffer.backend=redis``: every this many seconds each replica saves its groups in
+    flight (tokens so far, log-probs, versions) in ``streamrl:<run>:partials``, so a replica
+    killed without warning loses at most this much generation (a snapshot aborts and resumes
+    the requests in flight). 0: only on a stop and a checkpoint. docs/partials.md."""
 
     def validate(self) -> None:
         _check_choice("rollout.backend", self.backend, ("vllm", "hf", "sglang"))
+        if not (math.isfinite(self.partial_flush_s) and self.partial_flush_s >= 0):
+            _fail("rollout.partial_flush_s", self.partial_flush_s,
+                  "must be a finite number of seconds >= 0 (0: save partials only on a stop "
+                  "and a checkpoint)")
         if self.engine_in_process and self.backend != "vllm":
             _fail("rollout.engine_in_process", True,
                   f"only vLLM runs in the replica's process, not rollout.backend="
@@ -472,13 +482,15 @@ class OptimConfig:
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of Qwen2/Llama-style models (vLLM's LoRA names too)."""
+LORA_PUBLISH = ("auto", "adapter", "merged")
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA on the actor (docs/lora.md): only the adapter trains and has optimizer state; the
     reference policy is the same model with the adapter disabled. Replicas get the adapter
-    merged into the base weights (a full-size, exact publish)."""
+    alone, loaded as a vLLM LoRA adapter per version, or merged into the base weights
+    (``publish``)."""
 
     rank: int = 0
     """0: off (full fine-tuning)."""
@@ -487,6 +499,11 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Names (last component) of the linear layers that get an adapter."""
+    publish: str = "auto"
+    """What the weight bus sends replicas: ``adapter`` (the adapter's tensors; vLLM serves
+    each version as a LoRA adapter), ``merged`` (full weights with the adapter merged in; any
+    engine), ``auto``: adapter with ``rollout.backend=vllm`` over the collective bus, else
+    merged (the hf and SGLang engines and the co-located swap load full weights only)."""
 
     def validate(self) -> None:
         _check_positive(self, "actor.lora", "rank", allow_zero=True)
@@ -501,6 +518,31 @@ class LoraConfig:
         if "lm_head" in self.target_modules:
             _fail("actor.lora.target_modules", self.target_modules,
                   "lm_head is tied to the embedding in the models we train: leave it out")
+        if self.publish not in LORA_PUBLISH:
+            _fail("actor.lora.publish", self.publish, f"must be one of {' | '.join(LORA_PUBLISH)}")
+
+    def publishes_adapter(self, rollout_backend: str, bus_backend: str) -> bool:
+        """Whether the weight bus sends the adapter alone (``publish``, resolved)."""
+        if self.rank == 0 or self.publish == "merged":
+            return False
+        return self.publish == "adapter" or (rollout_backend == "vllm"
+                                             and bus_backend == "collective")
+
+    def check_publish(self, rollout_backend: str, bus_backend: str) -> None:
+        """An explicit ``publish=adapter`` needs an engine that serves LoRA adapters."""
+        if self.rank == 0 or self.publish != "adapter":
+            return
+        if rollout_backend != "vllm":
+            _fail("actor.lora.publish", "adapter", f"needs rollout.backend=vllm (the "
+                  f"{rollout_backend} engine loads full weights only): use merged")
+        if bus_backend != "collective":
+            _fail("actor.lora.publish", "adapter", "needs weight_bus.backend=collective (the "
+                  "co-located swap loads full weights only): use merged")
+
+    def adapter_config(self) -> dict[str, Any]:
+        """The PEFT ``adapter_config.json`` fields an engine needs to load the adapter."""
+        return {"r": self.rank, "lora_alpha": self.alpha, "bias": "none",
+                "target_modules": list(self.target_modules)}
 
 
 @dataclass(frozen=True)
@@ -726,7 +768,11 @@ class WeightBusConfig:
     timeout_s: float = 60.0
     sync_every: int = 1
     update_policy: str = MODE_PRESETS["fully_async"].update_policies[0]
-    """drain | pause | abort; sync and one_step_off allow only drain (MODE_PRESETS)."""
+    """drain | pause | abort | rolling; sync and one_step_off allow only drain (MODE_PRESETS).
+    rolling: a replica pauses only itself to swap, and at most ``rolling_k`` replicas swap at
+    once, so the rest of the fleet keeps sampling through a publish."""
+    rolling_k: int = 1
+    """With update_policy=rolling: how many replicas may be mid-swap at the same time."""
     master_addr: str | None = None
     """Where learner rank 0 binds the bus (ZMQ control, TCPStore). None: loopback on a
     single-node run (runtime.address null), else the Ray node IP of rank 0's node."""
@@ -736,7 +782,13 @@ class WeightBusConfig:
     def validate(self) -> None:
         _check_choice("weight_bus.backend", self.backend, ("collective", "colocated"))
         _check_choice("weight_bus.update_policy", self.update_policy, UPDATE_POLICIES)
-        _check_positive(self, "weight_bus", "bucket_mb", "timeout_s", "sync_every")
+        _check_positive(self, "weight_bus", "bucket_mb", "timeout_s", "sync_every", "rolling_k")
+        if self.update_policy == "rolling" and self.backend == "colocated":
+            # Each hybrid rank loads while every rank gathers in lockstep: one waiting for a
+            # token held by another would stall the gather that other's load consumes.
+            _fail("weight_bus.update_policy", self.update_policy,
+                  "needs weight_bus.backend=collective: colocated engines load in lockstep "
+                  "with the learner ranks' gather, so they cannot take turns")
         _check_port("weight_bus.master_port", self.master_port)
 
 
@@ -825,7 +877,9 @@ class RuntimeConfig:
     the engine and Ray's helpers steal the learner's core and the learner bounds a step
     (docs/speedup.md); never on GPUs, where an engine and its workers need more than a core."""
     max_restarts: int = 3
-    """Times each replica is re-created after it dies before the run stops with its cause."""
+    """Times each replica is re-created after it dies, the learner ranks restarted from the
+    last checkpoint, and the memory buffer actor re-created, before the run stops with the
+    cause."""
     heartbeat_s: float = 2.0
     """How often the supervisor checks every replica (a dead one is noticed within this)."""
     stall_timeout_s: float = 300.0
@@ -984,6 +1038,7 @@ def validate(cfg: Config) -> Config:
     _check_batch_sizes(cfg)
     _check_lengths(cfg)
     _check_colocated(cfg)
+    cfg.actor.lora.check_publish(cfg.rollout.backend, cfg.weight_bus.backend)
     return cfg
 
 

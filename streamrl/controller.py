@@ -30,6 +30,7 @@ from streamrl.errors import RunStopped
 from streamrl.learner.checkpoint import find_latest
 from streamrl.metrics import MetricsLogger, RolloutIdle, Timer, rollout_metrics
 from streamrl.runtime import LearnerGroup, Runtime, WeightBus, build_runtime
+from streamrl.runtime.supervisor import LearnerDied, first_line
 from streamrl.trace import ChromeTrace
 from streamrl.types import Group
 
@@ -154,20 +155,24 @@ class Controller:
                 if groups is None:  # stop() was called
                     break
                 batch = Batch.from_groups(groups, rt.pad_token_id)
-                with timer("prepare"):
-                    batch = self.learner.prepare(batch)
-                batch = with_advantages(batch, cfg, self.kl_ctrl)
-                with timer("update"):
-                    metrics = self.learner.update(batch)
-                version += 1
-                if version % cfg.weight_bus.sync_every == 0:
-                    with timer("publish"):
-                        metrics.update(self.weight_bus.publish(version))
-                rt.buffer.set_version(version)
-                self._consume([g.group_id for g in groups])
-                metrics.update(steps.trained(groups, batch, version))
-                metrics.update(self._maybe_validate(version))
-                result.checkpoint = self._maybe_checkpoint(version) or result.checkpoint
+                try:  # a step whose learner dies is done again from the last checkpoint
+                    with timer("prepare"):
+                        batch = self.learner.prepare(batch)
+                    batch = with_advantages(batch, cfg, self.kl_ctrl)
+                    with timer("update"):
+                        metrics = self.learner.update(batch)
+                    version += 1
+                    if version % cfg.weight_bus.sync_every == 0:
+                        with timer("publish"):
+                            metrics.update(self.weight_bus.publish(version))
+                    rt.buffer.set_version(version)
+                    self._consume([g.group_id for g in groups])
+                    metrics.update(steps.trained(groups, batch, version))
+                    metrics.update(self._maybe_validate(version))
+                    result.checkpoint = self._maybe_checkpoint(version) or result.checkpoint
+                except LearnerDied as died:
+                    version = self._restart_learner(died)
+                    continue
                 result.history.append({"step": version, **steps.log(metrics, version)})
                 result.steps = version
         finally:
@@ -248,7 +253,7 @@ class Controller:
         extra: dict[str, Any] = {
             "consumed": self.consumed,
             "trained_group_ids": self.unacked,
-            "fleet": self.rt.fleet.state(),
+            "fleet": self.rt.fleet.state(partials=True),  # groups in flight: docs/partials.md
         }
         path = self.learner.save_checkpoint(version, extra)
         self.rt.buffer.ack(self.unacked)
@@ -266,13 +271,47 @@ class Controller:
         if path is None:
             self.rt.buffer.set_version(0)
             return 0
-        extra = self.learner.load_checkpoint(str(path))
+        version = self._load(str(path), fleet=True)
+        log.info("resumed from %s at step %d", path, version)
+        return version
+
+    def _load(self, path: str, fleet: bool) -> int:
+        """The learner at checkpoint ``path``, the buffer rebased to it, its weights published;
+        ``fleet``: the replicas' prompt cursors and partial groups too. Returns its version."""
+        extra = self.learner.load_checkpoint(path)
         version = int(self.learner.version)
         self.consumed = int(extra.get("consumed", 0))
+        self.unacked = []  # trained after the checkpoint: the buffer delivers them again
         self.rt.buffer.rebase(version, self.consumed, skip_ids=extra.get("trained_group_ids", []))
-        self.rt.fleet.load_state(extra.get("fleet", {}))
+        if fleet:
+            self.rt.fleet.load_state(extra.get("fleet", {}))
         self.weight_bus.publish(version)
-        log.info("resumed from %s at step %d", path, version)
+        return version
+
+    def _restart_learner(self, died: LearnerDied) -> int:
+        """New learner ranks from the last checkpoint, up to runtime.max_restarts times; the
+        replicas keep running (their in-flight groups newer than the checkpoint are refused at
+        take, and their slots given back). Returns the version to go on from."""
+        limit = self.cfg.runtime.max_restarts
+        path = find_latest(self.cfg.trainer.output_dir)
+        if self.learner.respawn is None:
+            raise LearnerDied(f"{died}; not restarted: its ranks live in the hybrid workers")
+        if self.learner.restarts >= limit:
+            raise LearnerDied(f"{died}; not restarted: runtime.max_restarts={limit} restarts "
+                              "are used up")
+        if path is None:
+            raise LearnerDied(f"{died}; not restarted: no checkpoint in trainer.output_dir="
+                              f"{self.cfg.trainer.output_dir} (trainer.save_freq)")
+        log.error("%s; restarting the learner from %s (restart %d of runtime.max_restarts=%d)",
+                  died, path, self.learner.restarts + 1, limit)
+        started = time.monotonic()
+        try:
+            self.learner.restart()
+        except Exception as exc:  # e.g. no bundle free for the new ranks
+            raise LearnerDied(f"{died}; restarting it failed: {first_line(exc)}") from None
+        version = self._load(str(path), fleet=False)
+        log.warning("learner restarted from %s at step %d in %.0f s", path, version,
+                    time.monotonic() - started)
         return version
 
 

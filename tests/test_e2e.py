@@ -71,8 +71,8 @@ def test_mode_learns_within_staleness_bound(
 
 def test_fully_async_learns_across_nodes(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The fully_async case of the test above, on three emulated nodes placed by labels: the
-    learner on A, one replica on each of B and C. Every rendezvous binds on its node's Ray IP,
-    none on loopback."""
+    learner on A, one replica on each of B and C, updated in turns (``rolling``). Every
+    rendezvous binds on its node's Ray IP, none on loopback."""
     import ray
 
     from streamrl.net import address_towards
@@ -88,7 +88,8 @@ def test_fully_async_learns_across_nodes(tmp_path: Path, tiny_model_dir: Path) -
             f"buffer.max_staleness={eta}", f"trainer.total_steps={STEPS}",
             f"trainer.output_dir={tmp_path}", f"runtime.address={cluster.address}",
             "runtime.train_pool.labels={pool:train}", "runtime.rollout_pool.labels={pool:rollout}",
-            "runtime.rollout_pool.strategy=STRICT_SPREAD", "rollout.num_replicas=2"])
+            "runtime.rollout_pool.strategy=STRICT_SPREAD", "rollout.num_replicas=2",
+            "weight_bus.update_policy=rolling"])  # two replicas: they swap in turns
         torch.manual_seed(cfg.trainer.seed)  # as run_training, which keeps no runtime to ask
         with build_runtime(cfg) as runtime:
             result = Controller(cfg, runtime).fit()

@@ -6,7 +6,8 @@ given back and a new incarnation rejoins the weight bus and produces, so trainin
 one line naming the replica and the cause, within 60 s. Afterwards none of the run's processes
 (Ray's, the replica actors', vLLM engine cores, reward pool workers) is left. A killed
 co-located hybrid worker (a learner rank with its engine) is not re-created: the run stops the
-same way at once.
+same way at once. A killed learner rank is restarted from the last checkpoint with the replicas
+kept, a killed memory buffer actor is re-created, both ``runtime.max_restarts`` times.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def replica_actor(driver: psutil.Process, title: str = "ray::ReplicaActor"
                   ) -> psutil.Process | None:
     for p in driver.children(recursive=True):
         try:
-            if p.cmdline()[:1] == [title]:
+            first = p.cmdline()[:1]
+            # Ray titles an actor ``ray::<Class>.<method>`` while it runs a call.
+            if first and (first[0] == title or first[0].startswith(title + ".")):
                 return p
         except psutil.NoSuchProcess:
             continue
@@ -111,6 +114,57 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
     assert len(stopped) == 1 and stopped[0] in driver_lines[-5:], driver_lines[-10:]
     assert stopped[0].startswith("streamrl: run stopped: replica-0 its actor died"), stopped
     assert "runtime.max_restarts=1" in stopped[0], stopped
+    assert_none_left(family)
+
+
+def test_a_killed_learner_and_buffer_actor_are_restarted_then_a_hopeless_one_stops_the_run(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """kill -9 of the only learner rank: the run starts new ranks from the last checkpoint and
+    goes on with the same replicas (not re-created); kill -9 of the memory buffer actor: it is
+    re-created at the learner's version and the run goes on; a second learner death with
+    ``runtime.max_restarts=1`` stops the run with one line, within 60 s."""
+    out, log = tmp_path / "out", tmp_path / "train.log"
+    metrics = out / "metrics.jsonl"
+    args = [f"model.path={tiny_model_dir}", "runtime.num_cpus=2", "trainer.logger=[jsonl]",
+            "trainer.total_steps=1000", f"trainer.output_dir={out}", "trainer.save_freq=2",
+            "runtime.max_restarts=1", "runtime.heartbeat_s=1"]
+
+    def more_steps(n: int, what: str) -> None:
+        stepped = len(steps_logged(metrics))
+        wait_for(lambda: len(steps_logged(metrics)) >= stepped + n, 180, what, log)
+
+    family: set[psutil.Process] = set()
+    with train_process(args, log) as proc:
+        driver = psutil.Process(proc.pid)
+        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log)
+        replica = replica_actor(driver)
+        learner = replica_actor(driver, "ray::LearnerActor")
+        assert replica is not None and learner is not None
+        family |= set(driver.children(recursive=True))
+        learner.kill()
+        wait_for(lambda: "learner restarted from" in log.read_text(errors="replace"), 180,
+                 "the learner restarted", log)
+        more_steps(2, "2 steps after the learner restart")
+
+        buffer_actor = replica_actor(driver, "ray::BufferActor")
+        assert buffer_actor is not None
+        family |= set(driver.children(recursive=True))
+        buffer_actor.kill()
+        more_steps(2, "2 steps after the buffer actor was killed")
+        assert replica.is_running()  # the same replica all along: kept, not re-created
+
+        family |= set(driver.children(recursive=True))
+        second = replica_actor(driver, "ray::LearnerActor")
+        assert second is not None and second.pid != learner.pid
+        code, stopped_after_s = kill_and_wait(proc, second)
+    text = log.read_text(errors="replace")
+    assert "restarting the learner from" in text and "re-created it as" in text, text[-3000:]
+    assert code == 3, text[-3000:]
+    assert stopped_after_s < 60, stopped_after_s
+    stopped = [line for line in text.splitlines() if line.startswith("streamrl: run stopped:")]
+    assert len(stopped) == 1, text[-3000:]
+    assert "learner rank 0 died" in stopped[0], stopped
+    assert "runtime.max_restarts=1 restarts are used up" in stopped[0], stopped
     assert_none_left(family)
 
 

@@ -29,6 +29,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from typing import NamedTuple
 
 from streamrl.buffer.base import (
@@ -42,6 +43,11 @@ from streamrl.buffer.base import (
 from streamrl.types import Group
 
 log = logging.getLogger(__name__)
+SEEN_KEEP = 1 << 16
+"""Group ids ``put`` remembers to stay idempotent: the most recent ones. A repeated put is a
+retry of a call seconds old, and replicas hold at most (eta + 1) * B groups between two steps,
+so this is thousands of steps of margin; unbounded, the set grew by one id per group for the
+whole run."""
 
 
 class _Queued(NamedTuple):
@@ -62,7 +68,8 @@ class MemoryBuffer(ReplayBuffer):
         self._cond = threading.Condition()
         self._heap: list[_Queued] = []
         self._arrival = itertools.count()
-        self._seen: set[str] = set()  # every group_id ever put: makes put idempotent
+        self._seen: set[str] = set()  # the last SEEN_KEEP group ids put: makes put idempotent
+        self._seen_order: deque[str] = deque()  # the same ids, oldest first
         self._taken: dict[str, _Queued] = {}  # taken, not acked
         # Newest version among queued groups (-1: none): take scans the heap for groups newer
         # than the learner only when this says one is there.
@@ -128,7 +135,7 @@ class MemoryBuffer(ReplayBuffer):
         with self._cond:
             if group.group_id in self._seen:
                 return
-            self._seen.add(group.group_id)
+            self._remember(group.group_id)
             if not self._settle(holder):
                 # A put without an admission (e.g. an externally closed episode) still takes a
                 # slot, so started == consumed + queued + in_flight keeps holding.
@@ -235,7 +242,8 @@ class MemoryBuffer(ReplayBuffer):
             heapq.heapify(self._heap)  # entries keep their arrival order
             # Groups taken at a version the learner no longer reached: take refuses them.
             self._newest_queued = max((e.newest for e in self._heap), default=-1)
-            self._seen |= skip
+            for gid in skip - self._seen:
+                self._remember(gid)
             self._version = learner_version
             self._consumed = consumed
             # Every holder is alive: in this process (streamrl serve's episodes), or a replica
@@ -261,6 +269,12 @@ class MemoryBuffer(ReplayBuffer):
                 staleness_max=self._staleness_max,
                 last_update_ts=self._last_update_ts,
             )
+
+    def _remember(self, group_id: str) -> None:
+        self._seen.add(group_id)
+        self._seen_order.append(group_id)
+        if len(self._seen_order) > SEEN_KEEP:
+            self._seen.discard(self._seen_order.popleft())
 
     def _touch(self) -> None:
         self._last_update_ts = time.time()

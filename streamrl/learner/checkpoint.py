@@ -5,9 +5,13 @@ Layout under a root directory (the trainer's output_dir)::
     root/global_step_<N>/          one complete checkpoint
         .metadata, __*.distcp      DCP: model, optimizer, LR scheduler of each TrainState
         rng/rank_<r>.json          python / numpy / torch (/ cuda) RNG state of each rank
-        extra.json                 caller state (buffer cursor, trained group ids), msgspec JSON
+        extra.json                 caller state (buffer cursor, trained group ids, each
+                                   replica's prompt cursor and groups in flight:
+                                   docs/partials.md), msgspec JSON
         meta.json                  step, world size; written last: its presence marks "complete"
     root/latest                    "global_step_<N>", replaced atomically
+    root/partials/                 not this module's: the replicas' groups in flight saved
+                                   at their last stop (docs/partials.md)
 
 Saving writes everything into ``root/.tmp-global_step_<N>``, renames it into place, then
 rewrites ``latest`` through a temp file and ``os.replace``. A process killed at any moment

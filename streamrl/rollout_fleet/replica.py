@@ -8,7 +8,7 @@ The loop, on one asyncio event loop::
         a slot a put claimed, or buffer.admit_up_to(free slots, a replica's share of them)
                                                        none -> back off (the bound, §2)
         hold it while weights the bus received are not loaded yet (``weights_pending``)
-        prompt = prompts.next()
+        prompt = a saved group (``resume``) first, else prompts.next()
         start a group task: sample n -> decode -> score -> Trajectories -> put
                    or, with rollout.agent: run n episodes (agent/loop.py) -> put
         put: buffer.put_and_admit(Group): the put and the next group's admission in one call
@@ -53,6 +53,10 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
 - ``abort``: abort every in-flight request, swap, resubmit prompt + partial response with the
   remaining token budget and concatenate. No sampled token is lost; the partial tokens keep
   their versions and log-probs.
+- ``rolling``: ``pause`` in turns: wait for one of the fleet's ``SwapTokens`` (at most k
+  replicas swap at once), pause only this engine, swap, resume, give the token back; the other
+  replicas keep sampling. Until its swap is done the replica starts no group and claims no
+  slot (``swapping``), so a replica still on version V-1 never starts a group for V.
 
 The buffer is awaited, never blocked on (``aadmit_up_to``, ``aput_and_admit``, ``aput``,
 ``acancel_admission``), so streaming requests and weight updates go on during its round trips. A
@@ -61,13 +65,22 @@ exactly one of them, so a cancelled group can never be both put and given back. 
 claims the slot of the loop's next group (``put_and_admit``: one round trip instead of two with
 Redis); a claimed slot no group will use (the replica stops) is given back, like any other.
 
+Partial rollouts (partials.py, docs/partials.md): each group in flight records its samples as
+of every return of their requests. ``snapshot()`` aborts the requests (under the update lock,
+as an ``abort`` update does), waits for them to come back with their tokens, reads the groups
+and the prompt cursor in one step, and resumes the requests (a checkpoint keeps it; a flush
+every ``partial_flush_s`` saves it to the ``partials`` store); ``stop(save=True)`` aborts them
+for good and saves what came back to the store. ``resume(groups)`` makes a new replica
+continue saved samples as an ``abort`` update's are continued, before any new prompt, dropping
+those too stale to train.
+
 Metrics: counters (``ReplicaCounters``), ``busy_s`` (wall time with a request in the engine:
 what ``rollouter/idle_ratio`` is made of) and, with ``trace``, the spans a Chrome trace shows
 (``drain_spans``): each busy period ("generate") and each weight update.
 
-Dependencies: engine.py (protocol), buffer/base.py (protocol), agent/ (episodes), types.py,
-config.py, and duck-typed prompt stream (``next() -> Prompt``), scorer (``await score(...)``)
-and tokenizer.
+Dependencies: engine.py (protocol), buffer/base.py (protocol), agent/ (episodes), partials.py,
+types.py, config.py, and duck-typed prompt stream (``next() -> Prompt``, ``cursor``), scorer
+(``await score(...)``) and tokenizer.
 """
 
 from __future__ import annotations
@@ -75,18 +88,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 import torch
 
 from streamrl.buffer.base import BufferProducer
 from streamrl.config import UPDATE_POLICIES, RolloutConfig
 from streamrl.rollout_fleet.agent import Episode, make_agent, run_episode
 from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingParams, TokenSink
+from streamrl.rollout_fleet.partials import (
+    PartialGroup,
+    PartialSample,
+    PartialSnapshot,
+    PartialStore,
+    snapshot_of,
+    usable,
+)
 from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
 from streamrl.types import Group, Trajectory, fits_float32, new_uid
 
@@ -99,6 +122,8 @@ FILTERED_STREAK_WARNING = 100
 """A replica logs a warning after each run of this many consecutive filtered groups."""
 MAX_SPANS = 100_000
 """Trace spans a replica keeps between two drains (the controller drains every step)."""
+RETURN_WAIT_S = 60.0
+"""How long saving partials waits for aborted requests to come back with their tokens."""
 
 
 async def _all(*aws: Awaitable[Any]) -> list[Any]:
@@ -132,6 +157,10 @@ class PromptSupply(Protocol):
     def next(self) -> Any:
         """The next prompt (a ``streamrl.data.Prompt``)."""
 
+    @property
+    def cursor(self) -> int:
+        """Prompts handed out so far (saved with the partials of the groups in flight)."""
+
 
 class Scorer(Protocol):
     async def score(
@@ -153,6 +182,41 @@ class _Cancelled(Exception):
 
 class _BadReward(Exception):
     """A reward the learner cannot hold in float32: the group is dropped."""
+
+
+Tracker = Callable[[int, Completion], None]
+"""Told sample i of a group as of each return of its requests (``_InFlight.record``)."""
+
+
+@dataclass
+class _InFlight:
+    """A group from the moment its prompt is picked until it is sampled: what a snapshot saves
+    of it (``PartialGroup``). ``samples`` holds each sample as of its last request's return
+    (the first, or one an abort cut), so after aborting every request it is exact."""
+
+    prompt: PromptLike
+    group_id: str
+    saved: list[Completion] | None = None
+    """Samples a resumed group continues from (None: sample from the prompt)."""
+    samples: list[Completion] | None = None
+    sampled: bool = False
+    """Every sample finished: the group is being scored and put, so no snapshot holds it."""
+
+    def record(self, i: int, c: Completion) -> None:
+        samples = self.samples = self.samples or []
+        samples.extend(Completion() for _ in range(i + 1 - len(samples)))
+        samples[i] = c
+
+    def partial(self) -> PartialGroup:
+        p = self.prompt
+        samples = self.samples if self.samples is not None else self.saved
+        return PartialGroup(
+            group_id=self.group_id, index=p.index, prompt_ids=list(p.prompt_ids),
+            data_source=p.data_source, ground_truth=p.ground_truth, extra=dict(p.extra),
+            samples=None if samples is None else [
+                PartialSample(token_ids=list(c.token_ids), logprobs=list(c.logprobs),
+                              versions=list(c.versions), finish_reason=c.finish_reason)
+                for c in samples])
 
 
 def sampling_params(rollout: RolloutConfig) -> SamplingParams:
@@ -205,10 +269,18 @@ class ReplicaCounters:
     held_for_weights: int = 0
     """Groups that waited, admitted, for weights already received to be loaded."""
     weight_pause_s: float = 0.0
-    """How long the last weight update kept the replica from starting work (drain wait and
-    swap)."""
+    """How long the last weight update kept the replica from starting work (drain wait,
+    rolling turn wait and swap)."""
+    swap_wait_s: float = 0.0
+    """How long the last rolling update waited for its turn (a ``SwapTokens`` token)."""
     busy_s: float = 0.0
     """Wall seconds with at least one request in the engine (finished busy periods)."""
+    partials_resumed: int = 0
+    """Saved groups picked up with sampled tokens to continue from (``resume``)."""
+    partials_dropped: int = 0
+    """Saved groups whose tokens were too stale for the learner: started again from the prompt."""
+    partials_saved: int = 0
+    """Snapshots of the groups in flight written to the partial store (flushes and stops)."""
 
 
 class Replica:
@@ -227,11 +299,18 @@ class Replica:
         admit_backoff_s: float = 0.02,
         trace: bool = False,
         weights_pending: Callable[[], bool] = lambda: False,
+        partials: PartialStore | None = None,
+        partial_flush_s: float = 0.0,
+        swap_tokens: SwapGate | None = None,
     ) -> None:
         """``buffer``: None for a replica that only answers ``sample_one`` (``streamrl serve``).
         ``weights_pending``: whether newer weights have arrived that the engine has not
         loaded yet (the weight bus's receiver knows): no group starts until they are, so a
-        group admitted once the learner published version V samples from V onwards."""
+        group admitted once the learner published version V samples from V onwards.
+        ``partials``: where ``save_partials`` and ``stop(save=True)`` write the groups in
+        flight, and every ``partial_flush_s`` seconds while the loop runs (0: only then).
+        ``swap_tokens``: the fleet's turns at swapping, shared by its replicas (``SwapTokens``
+        or its Ray actor): needed by ``update_weights`` under the rolling policy."""
         if rollout.max_inflight_groups <= 0:
             raise ValueError(f"rollout.max_inflight_groups={rollout.max_inflight_groups}: "
                              "must be > 0")
@@ -244,6 +323,7 @@ class Replica:
         self.name = name
         self.admit_backoff_s = admit_backoff_s
         self.weights_pending = weights_pending
+        self.swap_tokens = swap_tokens
         self.params = sampling_params(rollout)
         self.agent = make_agent(rollout, tokenizer) if rollout.agent else None
         self.counters = ReplicaCounters()
@@ -255,6 +335,7 @@ class Replica:
         self._gate = asyncio.Event()  # cleared while an abort update swaps: no new requests
         self._gate.set()
         self._update_lock = asyncio.Lock()
+        self._updating = 0  # weight updates entered and not finished (``swapping``)
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._cancelling = False
@@ -268,6 +349,13 @@ class Replica:
         self._late: set[asyncio.Future[None]] = set()  # give-backs of slots claimed after stop
         self._busy_since = 0.0  # perf_counter when the engine last went from idle to busy
         self._spans: list[tuple[str, float, float]] | None = [] if trace else None
+        self.partials = partials
+        self.partial_flush_s = partial_flush_s
+        self._inflight: dict[str, _InFlight] = {}  # groups picked and not yet sampled
+        self._resumes: list[PartialGroup] = []  # saved groups to pick up before new prompts
+        self._max_staleness = 0  # the bound saved groups are checked against (``resume``)
+        self._flusher: asyncio.Task[None] | None = None
+        self._saving = False  # stop(save=True) in progress: cancelled groups keep their record
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -280,6 +368,9 @@ class Replica:
         self._stopping = self._cancelling = False
         self._started_at = time.monotonic()
         self._loop_task = asyncio.create_task(self._run(), name=f"{self.name}-loop")
+        if self.partials is not None and self.partial_flush_s > 0:
+            self._flusher = asyncio.create_task(self._flush_partials(),
+                                                name=f"{self.name}-partials")
         return self._loop_task
 
     @property
@@ -291,17 +382,24 @@ class Replica:
     def running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
-    async def stop(self, cancel: bool = False, timeout: float | None = None) -> None:
+    async def stop(self, cancel: bool = False, timeout: float | None = None, save: bool = False
+                   ) -> PartialSnapshot | None:
         """Stop starting groups; finish the in-flight ones, or with ``cancel`` abort them.
 
         Groups still running after ``timeout`` seconds are cancelled. Every group that is not
-        put gives its admission back.
+        put gives its admission back. ``save`` (implies ``cancel``): the groups still sampling
+        are saved, with their tokens so far and the prompt cursor, into ``partials`` and
+        returned, so a replica given them (``resume``) continues where these stopped.
         """
         self._stopping = True
+        self._saving = save
         self._changed.set()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
         if self._loop_task is not None:
             await self._loop_task
-        if cancel:
+        if cancel or save:
             self._cancelling = True
             self._gate.set()  # resumptions waiting on a swap must see the cancel
             await self._abort_requests()
@@ -316,6 +414,20 @@ class Replica:
             await self._give_back()
         if self._late:
             await asyncio.gather(*self._late)  # _give_back logs its failures, never raises
+        if not save:
+            return None
+        # Every group has ended: each cancelled one recorded its samples as its aborted
+        # requests came back, and kept its record (``_saving``).
+        snapshot = self._snapshot()
+        self._inflight.clear()
+        self._resumes.clear()
+        self._saving = False
+        try:
+            await self._store(snapshot)
+        except Exception:
+            logger.exception("%s: saving %d partial groups at stop failed", self.name,
+                             len(snapshot.groups))
+        return snapshot
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -323,7 +435,7 @@ class Replica:
         while not self._stopping:
             self._changed.clear()  # cleared before checking: no wake-up is lost
             full = len(self._groups) >= self.rollout.max_inflight_groups
-            if full or not self._may_start.is_set():
+            if full or not self._may_start.is_set() or self._updating:
                 await self._changed.wait()
                 continue
             if not self._credits:  # no slot claimed yet (by a put): claim free ones at once
@@ -341,28 +453,116 @@ class Replica:
                 await self._wait_changed(self.admit_backoff_s)
                 continue
             self._credits -= 1
-            if self.weights_pending():
+            if self._held():
                 self.counters.held_for_weights += 1
-                while self.weights_pending() and not self._stopping:
+                while self._held() and not self._stopping:
                     await self._wait_changed(self.admit_backoff_s)
                 if self._stopping:
                     await self._give_back()
                     break
             try:
-                prompt = self.prompts.next()
+                live = self._pick()
             except Exception:
                 self.counters.loop_errors += 1
                 logger.exception("%s: prompts.next() failed; retrying", self.name)
                 await self._give_back()
                 await self._wait_changed(self.admit_backoff_s * 10)
                 continue
-            task = asyncio.create_task(self._group(prompt), name=f"{self.name}-group")
+            task = asyncio.create_task(self._group(live), name=f"{self.name}-group")
             self._groups.add(task)
             task.add_done_callback(self._group_done)
+
+    def _held(self) -> bool:
+        """No group may start: weights were received and not loaded, or an update began (the
+        claim was under way when it did): a group must not start on weights it outlives."""
+        return self._updating > 0 or self.weights_pending()
 
     async def _wait_changed(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
+
+    # -- partial rollouts (partials.py) -------------------------------------------------------
+
+    def resume(self, groups: list[PartialGroup], max_staleness: int) -> None:
+        """Pick up these saved groups before any new prompt (their prompts were handed out
+        before the saved cursor). Each is checked against ``max_staleness`` when it starts, at
+        the engine's version then (``partials.usable``)."""
+        self._resumes.extend(groups)
+        self._max_staleness = max_staleness
+
+    def _pick(self) -> _InFlight:
+        """The next group to start, registered as in flight in the same step (a snapshot can
+        never miss it): a saved group first, else the next prompt."""
+        if not self._resumes:
+            live = _InFlight(self.prompts.next(), new_uid())
+        else:
+            saved = self._resumes.pop(0)
+            fresh = usable(saved, self.engine.version, self._max_staleness)
+            if fresh is None:
+                self.counters.partials_dropped += 1
+                logger.info("%s: saved group %s of prompt %s is staler than max_staleness=%d "
+                            "at version %d: its %d tokens dropped, sampled again", self.name,
+                            saved.group_id, saved.index, self._max_staleness,
+                            self.engine.version, saved.num_tokens)
+                fresh = msgspec.structs.replace(saved, samples=None)
+            samples = fresh.samples if self.agent is None else None  # episodes are not saved
+            if samples is not None and fresh.num_tokens:
+                self.counters.partials_resumed += 1
+            live = _InFlight(fresh, fresh.group_id, saved=None if samples is None else [
+                Completion(token_ids=list(s.token_ids), logprobs=list(s.logprobs),
+                           versions=list(s.versions), finish_reason=s.finish_reason)
+                for s in samples])
+        self._inflight[live.group_id] = live
+        return live
+
+    def _snapshot(self) -> PartialSnapshot:
+        """The groups not yet sampled and the prompt cursor, read in one step (no await)."""
+        groups = [*self._resumes,
+                  *(g.partial() for g in self._inflight.values() if not g.sampled)]
+        return snapshot_of(self.name, self.prompts.cursor, groups)
+
+    async def snapshot(self) -> PartialSnapshot:
+        """Every group in flight with its tokens so far, while the loop goes on: its requests
+        are aborted (as an abort-policy update does, under the same lock, so the two never
+        interleave), recorded as they come back, and resumed."""
+        async with self._update_lock:
+            self._gate.clear()
+            try:
+                await self._abort_requests()
+                await self._requests_returned()
+                return self._snapshot()
+            finally:
+                self._gate.set()
+
+    async def _requests_returned(self) -> None:
+        """Wait (at most RETURN_WAIT_S) until no request is in the engine: each aborted one has
+        come back and recorded its tokens. One still out after that is saved as of its last
+        return (fewer tokens, still exact)."""
+        deadline = time.monotonic() + RETURN_WAIT_S
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if self._requests:
+            logger.warning("%s: %d aborted requests did not come back within %.0f s to record "
+                           "their partial tokens; saved as of their last return", self.name,
+                           len(self._requests), RETURN_WAIT_S)
+
+    async def _store(self, snapshot: PartialSnapshot) -> None:
+        if self.partials is None:
+            return
+        await asyncio.to_thread(self.partials.save, snapshot)
+        self.counters.partials_saved += 1
+
+    async def _flush_partials(self) -> None:
+        """Save a snapshot every ``partial_flush_s``: a replica killed without warning loses at
+        most the tokens sampled since the last one."""
+        while True:
+            await asyncio.sleep(self.partial_flush_s)
+            try:
+                await self._store(await self.snapshot())
+            except Exception:
+                self.counters.loop_errors += 1
+                logger.exception("%s: saving partial rollouts failed; retrying in %g s",
+                                 self.name, self.partial_flush_s)
 
     def _group_done(self, task: asyncio.Task[None]) -> None:
         self._groups.discard(task)
@@ -389,9 +589,10 @@ class Replica:
             logger.exception("%s: buffer.cancel_admission failed", self.name)
 
     async def _put(self, group: Group) -> None:
-        """Put ``group``; unless stopping, claim the loop's next slot in the same buffer call.
-        The claim is counted when the call completes, even if this task is cancelled first."""
-        if self._stopping:
+        """Put ``group``; unless stopping or mid-swap, claim the loop's next slot in the same
+        buffer call (a replica waiting for its swap leaves new slots to the swapped ones). The
+        claim is counted when the call completes, even if this task is cancelled first."""
+        if self._stopping or self._updating:
             await self.buffer.aput(group)
             return
         call = asyncio.ensure_future(self.buffer.aput_and_admit(group))
@@ -411,16 +612,17 @@ class Replica:
 
     # -- one group ----------------------------------------------------------------------------
 
-    async def _group(self, prompt: PromptLike) -> None:
-        group_id = new_uid()
+    async def _group(self, live: _InFlight) -> None:
+        prompt, group_id = live.prompt, live.group_id
         settled = False  # a put or give-back of this group's admission is under way
         try:
-            sample = (self._single_turn(prompt, group_id) if self.agent is None
+            sample = (self._single_turn(prompt, live) if self.agent is None
                       else self._episodes(prompt, group_id))
             if self.rollout.greedy_baseline:
                 trajectories, baseline = await _all(sample, self._greedy_reward(prompt, group_id))
             else:
                 trajectories, baseline = await sample, None
+            live.sampled = True
             group = Group(group_id=group_id, trajectories=list(trajectories),
                           prompt_index=prompt.index, created_ts=time.time(),
                           baseline_reward=baseline)
@@ -457,16 +659,21 @@ class Replica:
             if not settled:
                 await self._give_back()
             return
+        finally:
+            if not self._saving:  # a saving stop snapshots the groups it cancelled once they end
+                self._inflight.pop(group_id, None)
         c = self.counters
         c.groups += 1
         c.trajectories += len(group.trajectories)
         c.tokens += sum(len(t.response_ids) for t in group.trajectories)
         c.reward_sum += sum(group.rewards)
 
-    async def _single_turn(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
+    async def _single_turn(self, prompt: PromptLike, live: _InFlight) -> list[Trajectory]:
+        group_id = live.group_id
         start = time.perf_counter()
         completions = await self._sample_with_retries(
-            prompt.prompt_ids, self._params_for(prompt), group_id, f"prompt {prompt.index}")
+            prompt.prompt_ids, self._params_for(prompt), group_id, f"prompt {prompt.index}",
+            saved=live.saved, track=live.record)
         extra_info = self._extra_info(prompt)  # once per group: it decodes the prompt
         gen_s = time.perf_counter() - start
         return list(await asyncio.gather(
@@ -518,11 +725,15 @@ class Replica:
     async def _sample_with_retries(
         self, prompt_ids: list[int], params: SamplingParams, key: str, what: str,
         on_tokens: TokenSink | None = None, reported: Callable[[], bool] = lambda: False,
+        *, saved: list[Completion] | None = None, track: Tracker | None = None,
     ) -> list[Completion]:
+        """``saved``: samples to continue instead of a first request (a resumed group; each
+        attempt starts from them again). ``track``: told each sample as of every return."""
         last: Exception | None = None
         for attempt in range(self.rollout.max_retries + 1):
             try:
-                return await self._sample(prompt_ids, params, f"{key}-{attempt}", on_tokens)
+                return await self._sample(prompt_ids, params, f"{key}-{attempt}", on_tokens,
+                                          saved, track)
             except _Cancelled:
                 raise
             except Exception as exc:
@@ -538,11 +749,19 @@ class Replica:
 
     async def _sample(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-        on_tokens: TokenSink | None = None,
+        on_tokens: TokenSink | None = None, saved: list[Completion] | None = None,
+        track: Tracker | None = None,
     ) -> list[Completion]:
-        completions = await self._request(prompt_ids, params, request_id, on_tokens)
+        if saved is None:
+            completions = await self._request(prompt_ids, params, request_id, on_tokens)
+        else:  # copies: resuming sets a finish reason, and a retry starts from these again
+            completions = [dataclasses.replace(c) for c in saved]
+        if track is not None:  # recorded before the next await: no snapshot can miss them
+            for i, c in enumerate(completions):
+                track(i, c)
         return list(await asyncio.gather(*(
-            self._resume_if_aborted(prompt_ids, c, params, f"{request_id}-{i}", on_tokens)
+            self._resume_if_aborted(prompt_ids, c, params, f"{request_id}-{i}", on_tokens,
+                                    None if track is None else functools.partial(track, i))
             for i, c in enumerate(completions))))
 
     async def _request(
@@ -572,9 +791,11 @@ class Replica:
 
     async def _resume_if_aborted(
         self, prompt_ids: list[int], done: Completion, params: SamplingParams, request_id: str,
-        on_tokens: TokenSink | None = None,
+        on_tokens: TokenSink | None = None, track: Callable[[Completion], None] | None = None,
     ) -> Completion:
-        """Continue a response an abort-policy update interrupted, keeping its partial tokens."""
+        """Continue a response an abort (a weight update, a partials snapshot) interrupted, or
+        one saved by a stopped replica, keeping its partial tokens; ``track`` is told the
+        response after each return."""
         empty_aborts = 0
         part = 0
         while done.finish_reason == "abort":
@@ -600,6 +821,8 @@ class Replica:
                 versions=done.versions + rest.versions,
                 finish_reason=rest.finish_reason,
             )
+            if track is not None:
+                track(done)
         return done
 
     async def _trajectory(
@@ -695,13 +918,41 @@ class Replica:
     async def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int, policy: str
     ) -> None:
-        """Swap the engine to ``version`` under ``policy`` (drain | pause | abort).
+        """Swap the engine to ``version`` under ``policy`` (drain | pause | abort | rolling).
 
         ``weights``: full HF-named (name, tensor) pairs, or weights the weight bus staged inside
-        the engine (anything with ``load_into(engine, version)``).
+        the engine (anything with ``load_into(engine, version)``). From the call until the
+        swap is done the replica is ``swapping``: it starts no group and claims no slot.
+        ``rolling`` is ``pause`` taken in turns: the replica waits for one of the fleet's
+        ``swap_tokens`` and pauses only itself, while the replicas without one keep sampling.
         """
+        if getattr(weights, "hot", False):  # a LoRA adapter: added beside the one in use,
+            await weights.load_into(self.engine, version)  # type: ignore[union-attr]
+            self.counters.weight_updates += 1  # requests keep theirs: no pause under any policy
+            self._changed.set()  # a group held for these weights may start
+            return
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"update policy={policy!r}: must be one of {UPDATE_POLICIES}")
+        if policy == "rolling" and self.swap_tokens is None:
+            raise ValueError(f"{self.name}: update policy 'rolling' needs the fleet's swap "
+                             "tokens (Replica(swap_tokens=...))")
+        # Before any await: a replica still on the old weights (waiting for its turn) must not
+        # start a group the learner could take with tokens older than the bound allows.
+        self._updating += 1
+        try:
+            await self._update(weights, version, policy)
+        finally:
+            self._updating -= 1
+            self._changed.set()  # a group held for these weights may start
+
+    @property
+    def swapping(self) -> bool:
+        """In a weight update (waiting for its turn, draining or swapping): the router sends
+        it no new work while another replica can take it."""
+        return self._updating > 0
+
+    async def _update(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int,
+                      policy: str) -> None:
         async with self._update_lock:
             start = time.perf_counter()
             if policy == "drain":
@@ -714,11 +965,11 @@ class Replica:
                     self._may_start.set()
                     self._changed.set()
             elif policy == "pause":
-                await self.engine.pause()
-                try:
-                    await self._swap(weights, version)
-                finally:
-                    await self.engine.resume()
+                await self._paused_swap(weights, version)
+            elif policy == "rolling":
+                async with self._swap_turn(version):
+                    self.counters.swap_wait_s = time.perf_counter() - start
+                    await self._paused_swap(weights, version)
             else:
                 self._gate.clear()
                 try:
@@ -728,8 +979,31 @@ class Replica:
                     self._gate.set()
             self.counters.weight_updates += 1
             self.counters.weight_pause_s = time.perf_counter() - start
-            self._changed.set()  # a group held for these weights may start
             self._span(f"weights v{version} ({policy})", start)
+
+    async def _paused_swap(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged,
+                           version: int) -> None:
+        await self.engine.pause()
+        try:
+            await self._swap(weights, version)
+        finally:
+            await self.engine.resume()
+
+    @contextlib.asynccontextmanager
+    async def _swap_turn(self, version: int) -> AsyncIterator[None]:
+        """Hold one of the fleet's swap tokens (at most ``k`` replicas swap at once)."""
+        assert self.swap_tokens is not None
+        holders = await self.swap_tokens.take(self.name)
+        if holders is not None:
+            raise TimeoutError(f"{self.name}: no turn to load weight version {version} within "
+                               f"weight_bus.timeout_s: the swap tokens are held by {holders}")
+        try:
+            yield
+        finally:
+            try:
+                await self.swap_tokens.give_back(self.name)
+            except Exception:  # the loaded version stands; the next swap by this name frees it
+                logger.exception("%s: giving back the swap token failed", self.name)
 
     async def _swap(self, weights: Iterable[tuple[str, torch.Tensor]] | Staged, version: int
                     ) -> None:
@@ -794,8 +1068,63 @@ class Replica:
             "inflight_groups": float(len(self._groups)),
             "weight_updates": float(c.weight_updates),
             "held_for_weights": float(c.held_for_weights),
+            "partials_resumed": float(c.partials_resumed),
+            "partials_dropped": float(c.partials_dropped),
+            "partials_saved": float(c.partials_saved),
             "weight_pause_s": c.weight_pause_s,
+            "swap_wait_s": c.swap_wait_s,
             "busy_s": busy,
             "uptime_s": elapsed,
             "version": float(self.engine.version),
         }
+
+
+# -- rolling updates: the fleet's turns at swapping --------------------------------------------
+
+
+class SwapGate(Protocol):
+    """The fleet's turns at swapping: ``SwapTokens``, or a handle to it in a Ray actor."""
+
+    async def take(self, holder: str) -> str | None: ...
+
+    async def give_back(self, holder: str) -> None: ...
+
+
+class SwapTokens:
+    """``k`` tokens, one per replica allowed to swap at a time (``update_policy=rolling``).
+
+    One object serves the whole fleet: shared by in-process replicas, or hosted in a named Ray
+    actor that replica actors call (``runtime.actors.RaySwapTokens``). ``take`` waits at most
+    ``timeout_s`` (weight_bus.timeout_s), then names the holders instead, so a stuck swap
+    becomes an error naming it, never a silent wait. A token is never taken back from its
+    holder (that would let k + 1 replicas swap at once); a holder asking again keeps its token:
+    a replica that died mid-swap is re-created under the same name, and its first load (the
+    weight bus's catch-up) takes over the token and gives it back.
+    """
+
+    def __init__(self, k: int, timeout_s: float) -> None:
+        if k <= 0:
+            raise ValueError(f"weight_bus.rolling_k={k}: must be > 0")
+        self.k = k
+        self.timeout_s = timeout_s
+        self._held: dict[str, float] = {}  # holder -> monotonic time it took its token
+        self._freed = asyncio.Condition()
+
+    async def take(self, holder: str) -> str | None:
+        """Wait for a token for ``holder``: None once it holds one, else (after ``timeout_s``)
+        who held the tokens and for how long."""
+        deadline = time.monotonic() + self.timeout_s
+        async with self._freed:
+            while holder not in self._held and len(self._held) >= self.k:
+                now = time.monotonic()
+                if now >= deadline:
+                    return ", ".join(f"{h} (for {now - t:.1f} s)" for h, t in self._held.items())
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), deadline - now)
+            self._held[holder] = time.monotonic()
+        return None
+
+    async def give_back(self, holder: str) -> None:
+        async with self._freed:
+            self._held.pop(holder, None)
+            self._freed.notify_all()

@@ -21,6 +21,7 @@ Dependencies point down: runtime -> learner / rollout_fleet / buffer / weight_bu
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from streamrl.buffer import make_buffer
 from streamrl.buffer.base import BufferProducer, ReplayBuffer
-from streamrl.buffer.remote import RemoteBuffer, start_buffer_actor
+from streamrl.buffer.remote import Recreate, RemoteBuffer, actor_name, start_buffer_actor
 from streamrl.config import Config, replace
 from streamrl.errors import ConfigError, RunStopped
 from streamrl.logs import CPU_MODE_NOTE
@@ -45,6 +46,7 @@ from streamrl.runtime.supervisor import (
     Member,
     Spawn,
     Supervisor,
+    first_line,
     holder_name,
     shut_down,
 )
@@ -87,6 +89,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
     actors: list[Any] = []
     pgs: list[PlacementGroup] = []
     fleet: Fleet | None = None
+    remote_buffer: RemoteBuffer | None = None
     try:
         train_pg, rollout_pg = reserve_pools(cfg, learners=learners)
         pgs = list({id(p): p for p in (train_pg, rollout_pg) if p is not None}.values())
@@ -98,10 +101,12 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             # controller takes, both in this process, without an actor call per episode.
             buffer = make_buffer(cfg)
         else:
-            # One queue for every process: the memory backend lives in an actor.
-            buffer_actor = start_buffer_actor(cfg)
-            actors.append(buffer_actor)
-            buffer = RemoteBuffer(buffer_actor)
+            # One queue for every process: the memory backend lives in an actor (re-created
+            # if it dies: it holds only generated groups).
+            base = f"streamrl-buffer-{uuid.uuid4().hex[:8]}"
+            remote_buffer = buffer = RemoteBuffer(
+                start_buffer_actor(cfg, actor_name(base, 0)), base,
+                recreate=_buffer_recreator(cfg, base))
         # Reward models and judges: one actor each, shared by every replica (and re-creation).
         reward_servers = start_reward_servers(cfg.reward)
         actors.extend(reward_servers.values())
@@ -134,10 +139,28 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
             fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
         for actor in reversed(actors):
             shut_down(actor, "actor", ACTOR_SHUTDOWN_TIMEOUT_S)
+        if remote_buffer is not None:  # its current incarnation
+            shut_down(remote_buffer.handle, "buffer actor", ACTOR_SHUTDOWN_TIMEOUT_S)
         for pg in pgs:
             remove_placement_group(pg)
         if started_ray:
             ray.shutdown()
+
+
+def _buffer_recreator(cfg: Config, base: str) -> Recreate:
+    """How the driver re-creates a dead memory buffer actor: up to runtime.max_restarts
+    times, then the run stops naming the cause."""
+
+    def recreate(incarnation: int, version: int, consumed: int, died: BaseException) -> Any:
+        if incarnation > cfg.runtime.max_restarts:
+            raise RunStopped(
+                f"the memory buffer actor died ({first_line(died)}), and "
+                f"runtime.max_restarts={cfg.runtime.max_restarts} re-creations are used up; "
+                "trainer.resume=auto continues from the last checkpoint") from None
+        return start_buffer_actor(cfg, actor_name(base, incarnation), version, consumed,
+                                  recovered=True)
+
+    return recreate
 
 
 def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: BufferProducer,
@@ -162,31 +185,52 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
     fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
                   loops=not serving)
     learner_group: LearnerGroup | None = None
+
+    def start_ranks() -> list[Any]:
+        """The learner ranks, started; their bus endpoint announced (``endpoint``)."""
+        nonlocal endpoint
+        assert train_pg is not None
+        ranks = [
+            ray.remote(num_cpus=cfg.runtime.cpus_per_learner,
+                       num_gpus=gpus_per(cfg, "learner"))(LearnerActor).options(
+                scheduling_strategy=in_bundle(train_pg, rank),
+            ).remote(cfg, rank, cfg.learner.world_size)
+            for rank in range(cfg.learner.world_size)
+        ]
+        actors.extend(ranks)
+        # The FSDP group rendezvous on rank 0's node, at a port picked there.
+        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
+        ray.get([r.start.remote(master_addr, master_port) for r in ranks])
+        endpoint = ray.get(ranks[0].bus_endpoint.remote())
+        announce = getattr(buffer, "announce_bus", None)
+        if announce is not None:  # Redis: how a separate streamrl serve finds the bus
+            announce(endpoint)
+        return ranks
+
+    def join_bus(ranks: list[Any]) -> None:
+        replicas = fleet.replicas
+        if replicas:
+            _wait_replicas([r.connect_bus.remote(endpoint) for r in replicas],
+                           "join the weight bus", f"its publisher at {endpoint}")
+            ray.get(ranks[0].wait_for_receivers.remote(len(replicas)))
+
+    def respawn(dead: list[Any]) -> list[Any]:
+        """New ranks in the dead ones' bundles; the running replicas (kept) join their bus."""
+        for rank in dead:
+            ray.kill(rank, no_restart=True)
+        actors[:] = [a for a in actors if all(a is not rank for rank in dead)]
+        ranks = start_ranks()
+        join_bus(ranks)
+        return ranks
+
     try:
         setups = [r.setup.remote() for r in fleet.replicas]
         if learners:
-            assert train_pg is not None
-            ranks = [
-                ray.remote(num_cpus=cfg.runtime.cpus_per_learner,
-                           num_gpus=gpus_per(cfg, "learner"))(LearnerActor).options(
-                    scheduling_strategy=in_bundle(train_pg, rank),
-                ).remote(cfg, rank, cfg.learner.world_size)
-                for rank in range(cfg.learner.world_size)
-            ]
-            actors.extend(ranks)
-            # The FSDP group rendezvous on rank 0's node, at a port picked there.
-            master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
-            ray.get([r.start.remote(master_addr, master_port) for r in ranks])
-            learner_group = LearnerGroup(ranks, skip_prepare=not cfg.prepare_adds_tensors)
-            endpoint = ray.get(ranks[0].bus_endpoint.remote())
-            announce = getattr(buffer, "announce_bus", None)
-            if announce is not None:  # Redis: how a separate streamrl serve finds the bus
-                announce(endpoint)
+            learner_group = LearnerGroup(start_ranks(), skip_prepare=not cfg.prepare_adds_tensors,
+                                         respawn=respawn)
         _wait_replicas(setups, "set up", "vLLM engine start-up")
-        if learner_group is not None and num_replicas:
-            _wait_replicas([r.connect_bus.remote(endpoint) for r in fleet.replicas],
-                           "join the weight bus", f"its publisher at {endpoint}")
-            ray.get(learner_group.actors[0].wait_for_receivers.remote(num_replicas))
+        if learner_group is not None:
+            join_bus(learner_group.actors)
     except BaseException:
         fleet.shutdown(ACTOR_SHUTDOWN_TIMEOUT_S)
         raise

@@ -158,6 +158,49 @@ class LearnerActor:
         self.worker.shutdown()
 
 
+SWAP_TOKENS_ACTOR = "streamrl-swap-tokens"
+"""The named actor holding the fleet's ``SwapTokens``: Ray scopes names to the driver's
+namespace, so every run has its own."""
+
+
+class RaySwapTokens:
+    """The fleet's ``SwapTokens`` (``weight_bus.update_policy=rolling``) in a named Ray actor.
+
+    Why an actor: the replicas are actors of their own and the publisher only broadcasts, so
+    the one thing every replica reaches is a named actor; the first replica to start makes it
+    (``get_if_exists``: the others find that one). It lives as long as its maker: a call that
+    finds it gone (its maker died) makes a new one, and the tokens held in the old one are gone
+    with it, so at worst one swap overlaps once. In-process replicas share a ``SwapTokens``
+    object instead."""
+
+    def __init__(self, k: int, timeout_s: float) -> None:
+        self.k, self.timeout_s = k, timeout_s
+        self._handle: Any = None
+        self._actor()  # it starts in the background now, not in the first publish's turns
+
+    def _actor(self, fresh: bool = False) -> Any:
+        import ray
+
+        from streamrl.rollout_fleet.replica import SwapTokens
+
+        if self._handle is None or fresh:
+            self._handle = ray.remote(SwapTokens).options(
+                name=SWAP_TOKENS_ACTOR, get_if_exists=True, num_cpus=0,
+            ).remote(self.k, self.timeout_s)
+        return self._handle
+
+    async def take(self, holder: str) -> str | None:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self._actor().take.remote(holder)  # type: ignore[no-any-return]
+        except RayActorError:
+            return await self._actor(fresh=True).take.remote(holder)  # type: ignore[no-any-return]
+
+    async def give_back(self, holder: str) -> None:
+        await self._actor().give_back.remote(holder)
+
+
 class ReplicaActor:
     """An async actor: the replica loop and the weight receiver share its event loop."""
 
@@ -204,7 +247,14 @@ class ReplicaActor:
         self.prompts = self._prompt_stream(cursor=0)
         self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}",
-                               trace=cfg.trainer.trace, weights_pending=self._weights_pending)
+                               trace=cfg.trainer.trace, weights_pending=self._weights_pending,
+                               partials=self._partial_store(),
+                               partial_flush_s=(cfg.rollout.partial_flush_s
+                                                if cfg.buffer.backend == "redis" else 0.0),
+                               swap_tokens=(RaySwapTokens(cfg.weight_bus.rolling_k,
+                                                          cfg.weight_bus.timeout_s)
+                                            if cfg.weight_bus.update_policy == "rolling"
+                                            else None))
         if self.bus_endpoint is not None:
             await self.connect_bus(self.bus_endpoint)
         freeze_startup_heap()
@@ -221,8 +271,11 @@ class ReplicaActor:
         from streamrl.rollout_fleet import make_engine
 
         # The tokenizer directory, not the loaded tokenizer: vLLM loads its own from it.
+        lora = self.cfg.actor.lora  # adapter-only publishes need an engine serving adapters
+        adapters = lora.publishes_adapter(self.cfg.rollout.backend, self.cfg.weight_bus.backend)
         return make_engine(self.cfg.rollout, self.model_path, self.cfg.model.tokenizer_path,
-                           in_process=engine_in_process(self.cfg))
+                           in_process=engine_in_process(self.cfg),
+                           lora=lora if adapters else None)
 
     async def connect_bus(self, endpoint: str) -> None:
         """Receive weights from the publisher at ``endpoint``, leaving any earlier one (a
@@ -264,6 +317,10 @@ class ReplicaActor:
         finally:
             task.cancel()  # the client went away: vLLM aborts a cancelled request
 
+    async def swapping(self) -> bool:
+        """In a weight update (``Replica.swapping``): the router prefers another replica."""
+        return self.replica is not None and bool(self.replica.swapping)
+
     async def version(self) -> int:
         return int(self.engine.version)
 
@@ -277,8 +334,9 @@ class ReplicaActor:
         self.replica.start()
 
     async def stop(self) -> None:
+        """Stop the loop, saving its groups in flight (SIGTERM unwinds through here)."""
         if self.replica is not None and self.replica.running:
-            await self.replica.stop(cancel=True, timeout=60)
+            await self.replica.stop(cancel=True, timeout=60, save=self.buffer is not None)
 
     async def metrics(self) -> dict[str, float]:
         out = self.replica.metrics()
@@ -330,12 +388,61 @@ class ReplicaActor:
             "seconds": time.perf_counter() - start,
         }
 
-    async def state(self) -> dict[str, Any]:
-        return {"cursor": int(self.prompts.cursor)}
+    async def state(self, partials: bool = False) -> dict[str, Any]:
+        """The prompt cursor; with ``partials`` (a checkpoint) also the groups in flight with
+        their tokens so far, read at the same instant as the cursor."""
+        if not partials or self.buffer is None:  # serve replicas sample no groups of their own
+            return {"cursor": int(self.prompts.cursor)}
+        import msgspec
+
+        snapshot = await self.replica.snapshot()
+        try:
+            return {"cursor": snapshot.cursor, "partials": msgspec.to_builtins(snapshot)}
+        except TypeError as exc:  # a prompt's extra_info holds a type msgspec cannot encode
+            log.warning("%s: groups in flight left out of the checkpoint (a resume skips "
+                        "their prompts): %s", self.replica.name, exc)
+            return {"cursor": int(self.prompts.cursor)}
 
     async def load_state(self, state: dict[str, Any]) -> None:
-        self.prompts = self._prompt_stream(cursor=int(state.get("cursor", 0)))
+        """Resume the cursor and the partial groups of ``state`` (a checkpoint's or a heartbeat's)
+        or, when newer, of the partial store (saved at a stop or flush after the checkpoint)."""
+        import msgspec
+
+        from streamrl.rollout_fleet.partials import PartialSnapshot
+
+        saved = [msgspec.convert(state["partials"], PartialSnapshot)] if "partials" in state else []
+        store = self.replica.partials
+        # The store is read on a trainer resume (a checkpoint's state), and on a re-creation by
+        # the supervisor only where the dead incarnation flushed into it (Redis): a file left by
+        # an earlier run's stop must not pass for this run's.
+        stored = (store.take(self.replica.name)
+                  if store is not None and (saved or self.replica.partial_flush_s > 0) else None)
+        snapshot = max([*saved, *([stored] if stored else [])], key=lambda s: s.saved_ts,
+                       default=None)
+        cursor = snapshot.cursor if snapshot is not None else int(state.get("cursor", 0))
+        self.prompts = self._prompt_stream(cursor=cursor)
         self.replica.prompts = self.prompts
+        if snapshot is not None:
+            groups = snapshot.groups if store is None else store.pending(snapshot.groups)
+            self.replica.resume(groups, self.cfg.buffer.max_staleness)
+            log.info("%s: resuming %d partial groups (%d tokens) saved at cursor %d",
+                     self.replica.name, len(groups), sum(g.num_tokens for g in groups), cursor)
+
+    def _partial_store(self) -> Any:
+        """Where this replica saves its groups in flight: a hash in the run's Redis, or files
+        beside the run's checkpoints (the memory buffer; a checkpoint carries them too)."""
+        from streamrl.rollout_fleet.partials import FilePartialStore, RedisPartialStore
+
+        if self.buffer is None:  # streamrl serve: its episodes are not partial rollouts
+            return None
+        if self.cfg.buffer.backend == "redis":
+            from streamrl.buffer.redis.connection import connect
+            from streamrl.buffer.redis.wire import RunKeys
+
+            redis = self.cfg.buffer
+            return RedisPartialStore(connect(redis.redis_url, redis.redis_outage_s), redis.run,
+                                     put_ids=RunKeys.of(redis.run).ids)
+        return FilePartialStore(os.path.join(self.cfg.trainer.output_dir, "partials"))
 
     def _prompt_stream(self, cursor: int) -> Any:
         from streamrl.data import PromptStream

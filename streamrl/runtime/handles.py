@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,7 @@ from ray.exceptions import RayActorError
 
 from streamrl.batch import Batch
 from streamrl.buffer.base import ReplayBuffer
-from streamrl.errors import RunStopped
-from streamrl.runtime.supervisor import Member, Supervisor, first_line, shut_down
+from streamrl.runtime.supervisor import LearnerDied, Member, Supervisor, first_line, shut_down
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +31,22 @@ log = logging.getLogger(__name__)
 class LearnerGroup:
     """SPMD learner ranks: every call goes to all ranks; rank 0's answer is returned.
     ``skip_prepare``: the ranks' ``prepare`` would return the batch as it came
-    (``Config.prepare_adds_tensors`` is false), so it is not sent to them and back."""
+    (``Config.prepare_adds_tensors`` is false), so it is not sent to them and back.
+    ``respawn``: replaces the ranks (``restart``); None: they cannot be (hybrid workers)."""
 
-    def __init__(self, actors: list[Any], skip_prepare: bool = False) -> None:
+    def __init__(self, actors: list[Any], skip_prepare: bool = False,
+                 respawn: Callable[[list[Any]], list[Any]] | None = None) -> None:
         self.actors = actors
         self.skip_prepare = skip_prepare
+        self.respawn = respawn
+        self.restarts = 0
+
+    def restart(self) -> None:
+        """New ranks in place of these (killed), joined to the fleet's replicas, at the
+        initial weights: the caller loads a checkpoint next."""
+        assert self.respawn is not None
+        self.restarts += 1
+        self.actors = self.respawn(self.actors)
 
     def _all(self, method: str, *args: Any) -> Any:
         """Rank 0's answer. A rank that dies stops the run at once, naming it: the other ranks
@@ -48,7 +59,7 @@ class LearnerGroup:
                 ray.get(done[0])
             except RayActorError as exc:
                 rank = refs.index(done[0])
-                raise RunStopped(
+                raise LearnerDied(
                     f"learner rank {rank} died during {method} ({first_line(exc)}); "
                     "trainer.resume=auto continues from the last checkpoint") from None
         return ray.get(refs[0])
@@ -196,14 +207,16 @@ class Fleet:
                 continue  # died: its supervisor replaces it
         return spans
 
-    def state(self) -> list[dict[str, Any]]:
+    def state(self, partials: bool = False) -> list[dict[str, Any]]:
+        """Each replica's resume state; ``partials`` (a checkpoint): with its groups in flight."""
         # A replica being re-created is saved with the cursor of its last heartbeat.
         with self.lock:
             members = list(self.members)
         states = []
         for m in members:
             try:
-                states.append(dict(ray.get(m.actor.state.remote())) if m.live else m.state)
+                states.append(dict(ray.get(m.actor.state.remote(partials))) if m.live
+                              else m.state)
             except RayActorError:
                 states.append(m.state)
         return states
@@ -225,7 +238,7 @@ class Fleet:
             m.state = dict(s)
 
 
-AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "weight_pause_s"})
+AVERAGED_COUNTERS = frozenset({"reward_mean", "version", "weight_pause_s", "swap_wait_s"})
 
 
 @dataclass

@@ -16,6 +16,10 @@ weight bus has given it the current weights (the publisher's late-joiner catch-u
 loop. Each replica may be re-created ``runtime.max_restarts`` times; past that, or when creating
 it fails that often, ``failure`` names the replica and the cause and the controller stops.
 
+The learner is not watched here: a call to a dead rank raises ``LearnerDied`` in the controller,
+which restarts the ranks from the last checkpoint (``LearnerGroup.restart``: new ranks in the
+same bundles, the running replicas joined to their new bus) ``runtime.max_restarts`` times.
+
 Depends on the buffer protocol and Ray; the controller sees it only through ``Fleet``.
 """
 
@@ -32,12 +36,19 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from streamrl.buffer.base import BufferConsumer
+from streamrl.buffer.remote import RemoteBuffer
 from streamrl.config import Config
+from streamrl.errors import RunStopped
 
 log = logging.getLogger(__name__)
 BACKOFF_CAP_S = 30.0
 START_TIMEOUT_S = 600.0
 """Longest a new incarnation may take to set up (engine start-up, model load)."""
+
+
+class LearnerDied(RunStopped):
+    """A learner rank died: the controller restarts the ranks from the last checkpoint
+    (``runtime.max_restarts`` times), else the run stops with this message."""
 
 
 def holder_name(index: int, incarnation: int) -> str:
@@ -113,6 +124,7 @@ class Supervisor:
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.runtime.heartbeat_s):
+            self._probe_buffer()
             for member in list(self.members):
                 if self._stop.is_set():
                     return
@@ -121,6 +133,18 @@ class Supervisor:
                 cause = self.probe(member)
                 if cause is not None:
                     self.replace(member, cause)
+
+    def _probe_buffer(self) -> None:
+        """A call to the memory buffer actor each heartbeat: if it died, this call re-creates
+        it (``RemoteBuffer``), so the replicas waiting to re-attach wait a heartbeat, not until
+        the controller's next call, which may be a long learner step away."""
+        if not isinstance(self.buffer, RemoteBuffer) or self.failure is not None:
+            return
+        try:
+            self.buffer.stats()
+        except RunStopped as exc:  # its re-creations are used up
+            self.failure = str(exc)
+            log.error("%s", self.failure)
 
     def probe(self, member: Member) -> str | None:
         """None if ``member`` is healthy, else why it must be replaced."""

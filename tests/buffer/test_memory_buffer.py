@@ -180,3 +180,19 @@ def test_a_trainer_resume_keeps_the_admissions_of_live_holders() -> None:
     assert (s.in_flight, s.started, s.queued) == (1, 2, 1)
     assert buf.release("replica-0.0") == 1
     assert [g.group_id for g in buf.take(1, 0, timeout=0)] == ["served"]
+
+
+def test_put_remembers_only_the_last_seen_keep_group_ids(monkeypatch) -> None:
+    """Idempotence covers retries (seconds old), not the whole run: the set of ids put is
+    bounded, the newest kept."""
+    from streamrl.buffer import memory
+
+    monkeypatch.setattr(memory, "SEEN_KEEP", 4)
+    buf = MemoryBuffer(groups_per_step=2, max_staleness=100)
+    for i in range(10):
+        buf.put(make_group(0, f"g{i}"))
+    assert buf._seen == {"g6", "g7", "g8", "g9"}
+    buf.put(make_group(0, "g9"))  # a retry of a recent put adds nothing
+    assert buf.stats().produced == 10
+    buf.rebase(0, 0, skip_ids=["t0", "t1"])  # ids trained before a restart count as seen too
+    assert buf._seen == {"g8", "g9", "t0", "t1"}

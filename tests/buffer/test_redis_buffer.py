@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import signal
 import subprocess
 import sys
@@ -349,7 +350,6 @@ def test_streamrl_buffer_stats_cli(redis_url: str, run: str) -> None:
 
 def test_pickled_buffer_reconnects_to_the_same_run(redis_url: str) -> None:
     """The runtime hands the driver's buffer to every replica: a copy shares the run."""
-    import pickle
 
     buf = new_buffer(redis_url, f"pickle-{uuid.uuid4().hex[:6]}")
     try:
@@ -450,6 +450,50 @@ def test_a_redis_that_stops_answering_stops_the_run_naming_it(
         server.send_signal(signal.SIGCONT)
         server.kill()
         server.wait()
+
+
+def test_a_redis_restarted_empty_is_refilled_from_what_the_learner_knows(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis comes back without the run's keys (no persistence): the learner's next call sees
+    them gone, makes them again at its version and consumed count, warns once with the groups
+    lost (those queued there), and the run goes on: groups put since are delivered, admission
+    reopens within the bound, trained entries ack."""
+    port = free_port()
+    for data in ("before", "after"):
+        (tmp_path / data).mkdir()
+    servers = [_redis_server(port, tmp_path / "before")]
+    try:
+        learner = RedisBuffer(f"redis://127.0.0.1:{port}/0", "wiped", 2, 1, outage_s=10)
+        replica = pickle.loads(pickle.dumps(learner))
+        learner.set_version(0)
+        assert replica.admit_up_to(10, "r") == 4  # (0 + 1 + 1) * 2
+        for gid in "abc":
+            replica.put(make_group(0, gid), "r")
+        taken = learner.take(2, 0, timeout=5)
+        learner.set_version(1)
+        s = learner.stats()
+        assert (s.consumed, s.queued, s.in_flight, s.started) == (2, 1, 1, 4)
+        servers[0].terminate()
+        servers[0].wait()
+        servers.append(_redis_server(port, tmp_path / "after"))  # empty: a new data dir
+
+        replica.put(make_group(1, "d"), "r")  # its slot died with the keys: takes a fresh one
+        with caplog.at_level(logging.WARNING, logger="streamrl.buffer.redis.backend"):
+            learner.ack([g.group_id for g in taken])  # the first learner call to see it
+            assert [g.group_id for g in learner.take(1, 1, timeout=5)] == ["d"]
+        [warning] = [r.getMessage() for r in caplog.records if "keys are gone" in r.getMessage()]
+        assert "learner version 1 with 2 group(s) consumed: lost the 1 group(s) queued" in warning
+        s = learner.stats()
+        assert (s.learner_version, s.consumed, s.queued, s.in_flight, s.started) == (1, 3, 0, 0, 3)
+        assert replica.admit_up_to(10, "r") == 3  # capacity(1) = 6
+        stats = redis.Redis(port=port).hgetall("streamrl:wiped:stats")
+        assert (stats[b"lost"], stats[b"produced"]) == (b"1", b"3")
+        replica.close()
+        learner.close()
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()
 
 
 @pytest.fixture
@@ -680,7 +724,6 @@ def test_same_named_holders_of_two_clients_are_apart(redis_url: str, run: str) -
     """A restarted trainer names its replicas as the previous one did (replica-0.0): each
     client's holders are its own, so its supervisor releases exactly its replica's slots, and
     the buffer it sends to a replica keeps its session."""
-    import pickle
 
     old_trainer = new_buffer(redis_url, run)
     assert old_trainer.try_admit("replica-0.0")

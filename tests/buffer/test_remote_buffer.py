@@ -5,9 +5,13 @@ result or error."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import pickle
+import signal
+from types import SimpleNamespace
 
-from streamrl.buffer.remote import BufferActor, RemoteBuffer
+from streamrl.buffer.remote import BufferActor, RemoteBuffer, actor_name, start_buffer_actor
 from streamrl.testing import make_group
 
 
@@ -27,7 +31,7 @@ class CountingActor(BufferActor):
 def _buffer(ray, groups_per_step: int, max_staleness: int):  # type: ignore[no-untyped-def]
     actor = ray.remote(num_cpus=0, max_concurrency=8)(CountingActor).remote(
         groups_per_step, max_staleness)
-    return actor, RemoteBuffer(actor)
+    return actor, RemoteBuffer(actor, "test-buffer")
 
 
 def test_puts_share_actor_calls(ray_local) -> None:
@@ -79,3 +83,59 @@ def test_pickled_copies_put_from_their_own_loops(ray_local) -> None:
     asyncio.run(put(buf, "x"))
     asyncio.run(put(copy, "y"))  # a new loop, and a copy: a putter each
     assert sorted(g.group_id for g in buf.take(2, 0, timeout=5)) == ["x", "y"]
+
+
+def test_a_killed_buffer_actor_is_recreated_and_every_copy_reattaches(ray_local, caplog
+                                                                       ) -> None:
+    """kill -9 of the actor's process: the driver's copy starts the next incarnation at the
+    version and consumed count it saw, a replica's copy finds it by name; the dead actor's
+    queued groups are lost (logged once with the count), its admissions' groups are put only
+    within the bound (else dropped and counted), their cancels are no-ops, the accounting stays
+    exact."""
+    cfg = SimpleNamespace(task=SimpleNamespace(train_batch_size=2),
+                          buffer=SimpleNamespace(max_staleness=1))  # 2 groups/step, eta 1
+    base = "test-buffer-recreate"
+
+    def recreate(incarnation: int, version: int, consumed: int, died: BaseException) -> object:
+        return start_buffer_actor(cfg, actor_name(base, incarnation), version, consumed,
+                                  recovered=True)  # type: ignore[arg-type]
+
+    driver = RemoteBuffer(start_buffer_actor(cfg, actor_name(base, 0)), base,  # type: ignore[arg-type]
+                          recreate=recreate)
+    replica = pickle.loads(pickle.dumps(driver))  # as a replica gets it: no recreate
+    assert replica.recreate is None
+    driver.set_version(0)
+    assert replica.admit_up_to(10, "r") == 4  # (0 + 1 + 1) * 2
+    replica.put(make_group(0, "a"), "r")
+    replica.put(make_group(0, "b"), "r")
+    taken = driver.take(2, 0, timeout=5)
+    driver.set_version(1)
+    assert replica.admit_up_to(10, "r") == 2  # capacity(1) = 6: 2 in flight + 2 consumed
+    replica.put(make_group(1, "c"), "r")
+    assert driver.stats().queued == 1 and driver.last_stats.in_flight == 3
+
+    pid = ray_local.get(driver.handle.__ray_call__.remote(lambda actor: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="streamrl.buffer.remote"):
+        fresh = driver.stats()  # the driver's next call meets the death and re-creates
+    assert (fresh.learner_version, fresh.consumed, fresh.started, fresh.queued) == (1, 2, 2, 0)
+    [warning] = [r.getMessage() for r in caplog.records if "re-created" in r.getMessage()]
+    assert "lost the 1 group(s) queued and 3 admission(s) in flight" in warning
+    assert driver.incarnation == 1
+
+    # The replica's copy re-attaches on its next call; its claims died with the old actor.
+    async def put_and_admit() -> bool:
+        return await replica.aput_and_admit(make_group(1, "d"), "r")
+
+    assert asyncio.run(put_and_admit()) is True  # within the bound: put, next slot claimed
+    assert replica.incarnation == 1
+    replica.cancel_admission("r")  # gives back the slot put_and_admit claimed here
+    assert replica.admit_up_to(10, "r2") == 3  # the bound is reached: 6 started
+    replica.put(make_group(1, "e"), "r")  # admitted by the dead actor, no slot left: dropped
+    replica.cancel_admission("r")  # a claim of the dead actor: nothing to give back
+    s = driver.stats()
+    assert driver.lost() == 1
+    assert s.started == s.consumed + s.queued + s.in_flight == 6
+    driver.ack([g.group_id for g in taken])  # taken from the dead actor: nothing to ack
+    replica.put(make_group(1, "f"), "r2")
+    assert sorted(g.group_id for g in driver.take(2, 1, timeout=5)) == ["d", "f"]

@@ -22,7 +22,7 @@ Keys of run ``<run>``::
                            dropped refused malformed reclaimed staleness_mean staleness_max
                            staleness_sum staleness_count groups_per_step max_staleness
                            last_update_ts bus_endpoint (the trainer's weight-bus endpoint, for
-                           streamrl serve)
+                           streamrl serve), lost (set when the keys were made again, below)
     streamrl:<run>:holders hash: admissions in flight per holder, ``<name>@<client session>``
                            (a replica incarnation, or "" for streamrl serve's episodes)
     streamrl:<run>:leases  sorted set: holder -> when its lease expires (Redis time, seconds);
@@ -56,6 +56,12 @@ fields) are acked, copied to the dead-letter stream, counted as ``malformed`` an
 their id; they never reach, nor crash, the learner. Decoding is msgspec, never pickle. Entries
 with a token newer than the learner version (``base.newer_than_learner``) are refused the same
 way, counted as ``refused``, the line naming the holder that put them.
+
+Redis restarted empty (no persistence) or the run's keys deleted: the learner's next take or ack
+meets NOGROUP and makes the keys again as a rebase from what it knows (its version and the
+groups it consumed; ``RedisBuffer._recreate``): groups put since are delivered, admission
+reopens within the bound, the bus endpoint is announced again; it warns once with the groups
+lost (queued there as of its last stats read) and records them as ``lost``.
 
 Acked entries are trimmed from the head of the stream (XTRIM MINID, never XDEL, which would make
 XINFO's ``lag`` unknown), so a long-running service keeps only its backlog.

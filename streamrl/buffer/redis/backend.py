@@ -153,6 +153,11 @@ class RedisBuffer(ReplayBuffer):
         # step's take slices cost no SET_VERSION round trip (stored versions only rise, except
         # by rebase and purge, which reset this).
         self._published = -1
+        # What the learner knows, to make the run's keys again if Redis loses them
+        # (``_recreate``): groups it took, the last stats it read, the endpoint it announced.
+        self._consumed = 0
+        self._last_stats = BufferStats()
+        self._endpoint: str | None = None
         self._init_keys()
 
     def __reduce__(self) -> tuple[type[RedisBuffer], tuple[Any, ...]]:
@@ -330,9 +335,15 @@ class RedisBuffer(ReplayBuffer):
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 block = _POLL_MS if remaining is None else min(_POLL_MS, int(remaining * 1000))
-                for eid, fields, counted in self._read(n - len(self._held),
-                                                       block if block > 0 else None,
-                                                       learner_version):
+                try:
+                    read = self._read(n - len(self._held), block if block > 0 else None,
+                                      learner_version)
+                except redis.ResponseError as exc:
+                    if not _keys_gone(exc):
+                        raise
+                    self._recreate(learner_version)
+                    continue
+                for eid, fields, counted in read:
                     entry = self._decode(eid, fields, counted)
                     if entry is not None and self._keep(entry, learner_version):
                         self._held.append(entry)
@@ -354,6 +365,7 @@ class RedisBuffer(ReplayBuffer):
                 self._lua.consume(keys=[self.keys.stats, self.keys.queued, self.keys.taken,
                                         self.keys.minv], args=args)
                 self._published = learner_version  # CONSUME raised it too
+            self._consumed += len(batch)
         batch.sort(key=lambda e: (sys.maxsize if e.oldest is None else e.oldest, e.eid))
         return [entry.group for entry in batch]
 
@@ -466,9 +478,46 @@ class RedisBuffer(ReplayBuffer):
             if unknown:
                 raise ValueError(f"ack: group ids not taken or already acked: {unknown}")
             eids = [self._outstanding.pop(gid) for gid in group_ids]
-            if eids:
-                self._run_now(self._lua.ack, [self.keys.stats, self.keys.taken, self.keys.groups],
-                              [CONSUMER_GROUP, int(self.trim_acked), *eids])
+            if not eids:
+                return
+            keys = [self.keys.stats, self.keys.taken, self.keys.groups]
+            args = [CONSUMER_GROUP, int(self.trim_acked), *eids]
+            try:
+                self._run_now(self._lua.ack, keys, args)
+            except redis.ResponseError as exc:
+                if not _keys_gone(exc):
+                    raise
+                # The entries went with the keys: acking them in the new stream is a no-op.
+                self._recreate(max(self._published, 0))
+                self._run_now(self._lua.ack, keys, args)
+
+    def _recreate(self, learner_version: int) -> None:
+        """The run's keys are gone (Redis restarted empty: no persistence; or they were
+        deleted): make them again as a rebase from what this learner knows (``learner_version``,
+        the groups it consumed), so admission reopens within the bound, and warn once with what
+        was lost: the groups queued there as of the last stats read. Groups in flight are put as
+        they finish (a put without admission takes a fresh slot); groups this learner holds
+        (read or taken) stay here. Called with ``_lock`` held."""
+        # Of the last stats' queued groups, those read and not yet counted are held here.
+        lost = max(0, self._last_stats.queued - sum(not e.counted for e in self._held))
+        self._init_keys()  # the consumer group from id 0: groups put since are delivered
+        self._held = [entry._replace(counted=False) for entry in self._held]  # count them anew
+        self._recover_from, self._claim_from, self._seen = None, b"0-0", b"0-0"
+        b, eta = self.admission.groups_per_step, self.admission.max_staleness
+        k = self.keys
+        queued, *_ = self._lua.rebase(keys=[k.stats, k.queued, k.taken, k.holders, k.leases],
+                                      args=[learner_version, self._consumed, b, eta])
+        self._published = learner_version
+        # produced - consumed - queued - dropped balances again; ``lost`` says what did not.
+        self._r.hset(k.stats, mapping={"produced": self._consumed + int(queued), "lost": lost})
+        if self._endpoint is not None:
+            self._r.hset(k.stats, "bus_endpoint", self._endpoint)
+        log.warning(
+            "buffer %s: the run's keys are gone from Redis at %s (it restarted empty, without "
+            "persistence, or they were deleted); re-created them at learner version %d with %d "
+            "group(s) consumed: lost the %d group(s) queued there as of the last stats read "
+            "(groups in flight are put as they finish)", self.run, redact_url(self.url),
+            learner_version, self._consumed, lost)
 
     def _run_now(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         """``script(keys, args)`` on the learner's thread, in one round trip without redis-py's
@@ -511,6 +560,7 @@ class RedisBuffer(ReplayBuffer):
             self._held, self._outstanding = [], {}
             self._recover_from, self._claim_from = b"0", b"0-0"
             self._published = learner_version
+            self._consumed = consumed
             b, eta = self.admission.groups_per_step, self.admission.max_staleness
             k = self.keys
             _, kept, live, dropped, gone = self._lua.rebase(
@@ -524,13 +574,15 @@ class RedisBuffer(ReplayBuffer):
 
     @outage_is_fatal
     def stats(self) -> BufferStats:
-        return read_stats(self._r, self.keys)
+        self._last_stats = read_stats(self._r, self.keys)
+        return self._last_stats
 
     @outage_is_fatal
     def announce_bus(self, endpoint: str) -> None:
         """Record the trainer's weight-bus endpoint: a ``streamrl serve`` process sharing this
         run connects its replicas to it (and reconnects when a restarted trainer announces a
         new one)."""
+        self._endpoint = endpoint  # announced again if Redis loses the run's keys
         self._r.hset(self.keys.stats, "bus_endpoint", endpoint)
 
     @outage_is_fatal
@@ -585,6 +637,12 @@ class RedisBuffer(ReplayBuffer):
         writer = self._writers.pop()
         if writer is not None:
             await writer.aclose(self.outage_s + READ_TIMEOUT_S)
+
+
+def _keys_gone(exc: redis.ResponseError) -> bool:
+    """Whether a learner call failed because the run's stream or consumer group is gone."""
+    message = str(exc)  # a blocked read whose stream is deleted is unblocked with the second
+    return "NOGROUP" in message or "no longer exists" in message
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

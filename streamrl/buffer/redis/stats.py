@@ -20,7 +20,7 @@ from streamrl.logs import redact_url
 
 _STAT_ROWS = ("learner_version", "groups_per_step", "max_staleness", "started", "produced",
               "consumed", "queued", "in_flight", "dropped", "refused", "malformed",
-              "reclaimed", "staleness_mean", "staleness_max")
+              "reclaimed", "lost", "staleness_mean", "staleness_max")
 
 
 def stats_hash(client: redis.Redis, keys: RunKeys) -> dict[str, str]:
