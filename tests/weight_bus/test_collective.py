@@ -220,8 +220,9 @@ def test_a_kept_replica_adopts_the_resumed_learners_lower_version() -> None:
     batch = asyncio.run(resume())
     assert engine.version == 10 and actor.receiver.version == 10
     assert [t.versions for g in batch for t in g.trajectories] == [[10] * 4] * 4
-    assert buffer.stats().refused == 0  # no group was sampled with the kept version 12
-    assert actor.replica.metrics()["held_for_weights"] >= 1
+    # No group was sampled with the kept version 12. Whether the loop waited as "held for
+    # weights" (received, load not begun) or as "swapping" (load under way) is timing.
+    assert buffer.stats().refused == 0
 
 
 def test_publish_returns_with_the_version_pending_until_the_sink_loads_it() -> None:
