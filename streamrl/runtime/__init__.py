@@ -199,8 +199,12 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
         ]
         actors.extend(ranks)
         # The FSDP group rendezvous on rank 0's node, at a port picked there.
-        master_addr, master_port = ray.get(ranks[0].rendezvous.remote())
-        ray.get([r.start.remote(master_addr, master_port) for r in ranks])
+        # Bounded: a restart's ranks wait for the dead ones' bundles, which Ray may not free.
+        where = "its runtime.train_pool bundle, model load"
+        [(master_addr, master_port)] = _wait_started([ranks[0].rendezvous.remote()],
+                                                     "start", where, "learner rank {}")
+        _wait_started([r.start.remote(master_addr, master_port) for r in ranks],
+                      "join the FSDP group", where, "learner rank {}")
         endpoint = ray.get(ranks[0].bus_endpoint.remote())
         announce = getattr(buffer, "announce_bus", None)
         if announce is not None:  # Redis: how a separate streamrl serve finds the bus
@@ -210,7 +214,7 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
     def join_bus(ranks: list[Any]) -> None:
         replicas = fleet.replicas
         if replicas:
-            _wait_replicas([r.connect_bus.remote(endpoint) for r in replicas],
+            _wait_started([r.connect_bus.remote(endpoint) for r in replicas],
                            "join the weight bus", f"its publisher at {endpoint}")
             ray.get(ranks[0].wait_for_receivers.remote(len(replicas)))
 
@@ -228,7 +232,7 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
         if learners:
             learner_group = LearnerGroup(start_ranks(), skip_prepare=not cfg.prepare_adds_tensors,
                                          respawn=respawn)
-        _wait_replicas(setups, "set up", "vLLM engine start-up")
+        _wait_started(setups, "set up", "vLLM engine start-up")
         if learner_group is not None:
             join_bus(learner_group.actors)
     except BaseException:
@@ -237,13 +241,14 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
     return learner_group, spawn, fleet
 
 
-def _wait_replicas(calls: list[Any], what: str, where: str) -> None:
-    """Every replica's call (one per replica, in index order), or an error naming the first
-    replica that did not ``what`` within ``START_TIMEOUT_S`` and ``where`` to look."""
+def _wait_started(calls: list[Any], what: str, where: str, who: str = "replica-{}") -> list[Any]:
+    """Every call's result (one per replica or learner rank, in index order), or an error
+    naming the first (``who`` formatted with its index) that did not ``what`` within
+    ``START_TIMEOUT_S`` and ``where`` to look."""
     if not calls:
-        return
-    done, pending = ray.wait(calls, num_returns=len(calls), timeout=START_TIMEOUT_S)
+        return []
+    _, pending = ray.wait(calls, num_returns=len(calls), timeout=START_TIMEOUT_S)
     if pending:
-        raise RunStopped(f"replica-{calls.index(pending[0])} did not {what} within "
+        raise RunStopped(f"{who.format(calls.index(pending[0]))} did not {what} within "
                          f"{START_TIMEOUT_S:.0f} s ({where}: see its log above)")
-    ray.get(done)
+    return ray.get(calls)
