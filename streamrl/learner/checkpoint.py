@@ -48,6 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from streamrl.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -101,15 +103,6 @@ def _world() -> int:
 def _barrier() -> None:
     if _world() > 1:
         dist.barrier()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -190,12 +183,12 @@ def save_checkpoint(
         (tmp / "rng").mkdir(parents=True)
     _barrier()
     dcp.save(dict(states), checkpoint_id=str(tmp))
-    _write_atomic(tmp / "rng" / f"rank_{_rank()}.json", msgspec.json.encode(rng_state()))
+    write_atomic(tmp / "rng" / f"rank_{_rank()}.json", msgspec.json.encode(rng_state()))
     _barrier()
     if _rank() == 0:
-        _write_atomic(tmp / EXTRA, extra_bytes)
+        write_atomic(tmp / EXTRA, extra_bytes)
         meta = {"step": step, "world_size": _world(), "states": sorted(states)}
-        _write_atomic(tmp / META, msgspec.json.encode(meta))
+        write_atomic(tmp / META, msgspec.json.encode(meta))
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step (after a resume): move the old one out first
             trash = root / f".trash-{final.name}"
@@ -203,7 +196,7 @@ def save_checkpoint(
             os.rename(final, trash)
             shutil.rmtree(trash)
         os.rename(tmp, final)
-        _write_atomic(root / LATEST, f"{final.name}\n".encode())
+        write_atomic(root / LATEST, f"{final.name}\n".encode())
         _fsync_dir(root)
         _prune(root, max_to_keep, keep=final)
     _barrier()

@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from streamrl.files import write_atomic
 from streamrl.types import decode, encode
 
 PARTIALS_TTL_S = 7 * 24 * 3600
@@ -131,13 +132,7 @@ class FilePartialStore(PartialStore):
     def save(self, snapshot: PartialSnapshot) -> None:
         data = encode(snapshot)  # before any file is touched: it may not encode
         self.directory.mkdir(parents=True, exist_ok=True)
-        path = self._path(snapshot.replica)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self._path(snapshot.replica), data)
 
     def take(self, replica: str) -> PartialSnapshot | None:
         path = self._path(replica)
