@@ -21,7 +21,8 @@ Models that post-process logits after the head (soft-capping, scaling) or whose 
 bias-free ``nn.Linear`` take the logits path: full logits from the model, then
 ``algos.chunked_log_probs`` on them (no fp32 copy, no softmax kept; the logits and their
 gradient remain one [T, V] each).
-Depends on algos, batch (via the micro-batch) and forward's ``MicroBatch``.
+The forward hands the heap's free pages back before the model and before the head (memory.py).
+Depends on algos, batch (via the micro-batch), forward's ``MicroBatch`` and memory.
 """
 
 from __future__ import annotations
@@ -35,12 +36,20 @@ from torch import Tensor, nn
 
 from streamrl import algos
 from streamrl.learner.forward import MicroBatch
+from streamrl.learner.memory import release_free_heap
 
 log = logging.getLogger(__name__)
 
-CHUNK_ELEMENTS = 2**25
-"""Logits per chunk of the torch backend (128 MiB in fp32; backward holds about three chunks):
-682 tokens at V = 49k, 220 at V = 152k."""
+CHUNK_BYTES = 32 * 2**20
+"""fp32 logits per chunk of the torch backend, in bytes, whatever the vocabulary (170 tokens at
+V = 49k), unless that is under ``MIN_CHUNK_ROWS``. The chunk is the backend's only [tokens x
+vocab] block: forward holds about two (the logits and log-sum-exp's exponentials), backward one
+(and, for a bf16 head, its bf16 copy). 128 MiB chunks (682 tokens) put 0.3 GB more into
+SmolLM2's fp32 peak (docs/real-models.md, "Learner memory")."""
+
+MIN_CHUNK_ROWS = 128
+"""Fewest tokens per chunk: the head's three matmuls per chunk ran at 117-124 GFLOP/s from 128
+to 682 rows on 2 CPU threads, 88-91 at 55 (V = 49k and 152k, fp32)."""
 
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 """HF config fields of models that change the head's output before returning it as logits."""
@@ -50,7 +59,7 @@ _BACKENDS: dict[str, Any] = {}
 
 
 def _chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // vocab)
+    return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab))
 
 
 def _liger(device_type: str) -> Any:
@@ -130,6 +139,7 @@ def head_log_probs(
     ``labels`` [.., L] (and entropies), never materialising the [.., L, V] logits."""
     kw = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
           "with_entropy": with_entropy, "entropy_grad": entropy_grad}
+    release_free_heap()  # the last micro-batch's free heap: not into this one's peak
     head = fused_head(model)
     if head is None:
         logits = model(**model_inputs).logits
@@ -138,6 +148,7 @@ def head_log_probs(
     computed: list[Tensor] = []
 
     def take_hidden(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        release_free_heap()  # the forward's, before the backward's peak (memory.py)
         hidden = args[0]
         log_probs, entropy = token_log_probs(hidden, module.weight, labels, **kw)
         # A new tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.

@@ -19,11 +19,19 @@ initial 128 KiB the peak was 1.6x but the update 20 % slower, the many small ten
 ``Actor`` calls it when built, so every learner process (Ray actors, hybrid workers, tests,
 benchmarks) runs with it, process-wide for the process's life. A no-op where the C library is
 not glibc.
+
+What stays in the heap still fragments: the blocks under the threshold (parameters, AdamW's
+moments, per-sequence tensors) leave ~0.3 GB of free heap resident after a step on SmolLM2.
+``release_free_heap()`` (``malloc_trim``) hands the free pages back; the learner's forward
+calls it before each micro-batch and again before the LM head, just ahead of the backward, where
+the peak is (``logprobs.head_log_probs``). fp32 SmolLM2 step: peak 3.23 GB instead of 3.33-3.60
+(1.61x the states instead of 1.66-1.80x), ~10 ms a call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,15 @@ def configure_allocator() -> bool:
     return True
 
 
+def release_free_heap() -> None:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``; a no-op elsewhere):
+    what is freed below ``MMAP_THRESHOLD`` stays resident otherwise."""
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
 def glibc() -> ctypes.CDLL | None:
     """This process's C library when it is glibc, else None."""
     libc = ctypes.CDLL(None)  # the symbols the process has loaded

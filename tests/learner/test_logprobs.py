@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from streamrl import algos
 from streamrl.learner import logprobs
@@ -137,3 +138,41 @@ def test_backend_choice_adapts_liger_and_falls_back(monkeypatch: pytest.MonkeyPa
     assert logprobs._BACKENDS == {"cpu": None}  # decided once
     monkeypatch.setattr(logprobs, "_BACKENDS", {})
     assert logprobs._liger("cpu") is None  # never on CPU
+
+
+def peak_live_bytes(fn) -> int:
+    """The most bytes ``fn``'s new tensors held at once (the profiler's CPU allocation events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_log_probs_backward_holds_one_chunk(monkeypatch: pytest.MonkeyPatch,
+                                                  dtype: torch.dtype) -> None:
+    T, H, V, rows = 256, 64, 8192, 32
+    chunk = rows * V * 4  # one chunk's fp32 logits
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(logprobs, "MIN_CHUNK_ROWS", rows)
+    torch.manual_seed(0)
+    hidden = torch.randn(T, H, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, H) / H).to(dtype).requires_grad_()  # logits of order 1, as trained
+    labels = torch.randint(0, V, (T,))
+    log_probs, _ = token_log_probs(hidden, weight, labels, temperature=0.7, with_entropy=True)
+    # The gradients (a bf16 head's summed in fp32 first), then one chunk at a time: its logits
+    # become its gradient in place, and a bf16 head's [V, H] product is formed a slice at a time.
+    grads = hidden.nbytes + weight.nbytes + (weight.numel() * 4 if dtype != torch.float32 else 0)
+    assert peak_live_bytes(log_probs.sum().backward) <= grads + chunk + chunk // 4
+    got = [hidden.grad, weight.grad]
+    ref_hidden, ref_weight = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    token_log_probs(ref_hidden, ref_weight, labels, temperature=0.7)[0].sum().backward()
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05,
+                                                                              "rtol": 0.02}
+    for a, b in zip(got, [ref_hidden.grad, ref_weight.grad]):
+        torch.testing.assert_close(a.float(), b, **tolerance)

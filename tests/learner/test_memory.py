@@ -4,13 +4,15 @@ a fresh process: the setting is process-wide and lasts for the process's life.""
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from streamrl.learner.memory import MMAP_THRESHOLD, glibc
+from streamrl.learner.memory import MMAP_THRESHOLD, glibc, release_free_heap
+from streamrl.testing import ResidentMemory
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's")
 
@@ -59,3 +61,21 @@ def test_learner_process_maps_large_blocks_of_their_own(tiny_model_dir: Path,
     before, after = child.stdout.split()[-2:]
     assert before == "heap"  # glibc's default, which the test would not tell apart otherwise
     assert after == "mapped"
+
+
+def test_release_free_heap_returns_freed_small_blocks() -> None:
+    libc = glibc()
+    assert libc is not None
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    size, count = 64 << 10, 2048  # 128 MiB in blocks under every mmap threshold: heap blocks
+    blocks = [libc.malloc(size) for _ in range(count)]
+    for block in blocks:
+        ctypes.memset(block, 1, size)  # resident
+    for block in blocks[::2]:  # holes between live blocks: no trim at the heap's top frees them
+        libc.free(block)
+    memory = ResidentMemory()
+    release_free_heap()
+    released = -memory.extra_mib()[1]
+    for block in blocks[1::2]:
+        libc.free(block)
+    assert released >= 0.75 * count // 2 * size / 2**20
