@@ -6,6 +6,7 @@ resume, and two ranks match one."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,33 @@ def test_only_the_adapter_trains_and_has_optimizer_state(tiny_model_dir: Path,
     assert any(".lora_B." in n for n in moved)  # B starts at 0: the adapter now adds something
     # Adam's moments exist for the adapter only.
     assert {id(p) for p in worker.actor.optimizer.state} == {id(named[n]) for n in adapter}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_repeated_updates_on_one_batch_raise_its_objective(
+    tiny_model_dir: Path, tmp_path: Path, checkpointing: bool
+) -> None:
+    """The adapter learns: each update on the same batch raises the advantage-weighted mean
+    log-prob (the policy-gradient objective). An adapter without gradients (e.g. reentrant
+    checkpointing with frozen inputs) or without optimizer state would leave it flat.
+    Measured at lr 3e-3: -0.097 -> 0.062 after 5 steps, rising at every step; at lr 3e-2 it
+    oscillated (-0.10, 0.05, 0.06, -0.03, ...): the adapter's step is too large there."""
+    worker = lora_worker(tiny_model_dir, tmp_path, **{
+        "actor.optim.lr": 3e-3, "model.gradient_checkpointing": checkpointing})
+    batch = with_advantages(worker.prepare(make_batch(seed=0)), worker.cfg)
+    weight = batch["advantages"] * batch["response_mask"]
+
+    def objective() -> float:
+        log_prob = worker.actor.compute_log_prob(batch)
+        assert isinstance(log_prob, torch.Tensor)
+        return float((weight * log_prob).sum() / batch["response_mask"].sum())
+
+    seen = [objective()]
+    for _ in range(5):
+        worker.actor.update(batch)
+        seen.append(objective())
+    assert all(b > a for a, b in itertools.pairwise(seen)), seen
+    assert seen[-1] > seen[0] + 0.1, seen
 
 
 def test_the_reference_is_the_adapter_disabled_model(tiny_model_dir: Path,
