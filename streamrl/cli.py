@@ -241,8 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_signals_received: list[str] = []
+"""What ``_interrupt`` handled: Ray re-raises an interrupt that lands inside ``ray.get`` or
+``ray.wait`` as a bare ``KeyboardInterrupt``, without the signal's name."""
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    _signals_received.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(_signals_received[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except KeyboardInterrupt as exc:
-        name = str(exc) or "SIGINT"
+        name = str(exc) or (_signals_received[-1] if _signals_received else "SIGINT")
         print(f"streamrl: interrupted ({name}); the run's processes were stopped",
               file=sys.stderr)
         return 128 + signal.Signals[name].value
