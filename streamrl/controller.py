@@ -195,6 +195,7 @@ class Controller:
             try:
                 return self.rt.buffer.take(n, version, min(TAKE_SLICE_S, timeout))
             except TimeoutError:
+                self._catch_up(version)
                 if time.monotonic() - since < timeout:
                     continue
                 why = self._why_no_groups(n)
@@ -204,6 +205,16 @@ class Controller:
                 log.warning("waiting for episodes from streamrl serve clients: %s", why)
                 since = time.monotonic()
         return None
+
+    def _catch_up(self, version: int) -> None:
+        """While the learner waits for groups its weights are those of ``version``: replicas
+        that joined after it was published (or missed it) get it now rather than with the next
+        publish, which a fleet behind as a whole would never let come (the publisher keeps no
+        copy, ``CollectivePublisher.catch_up``)."""
+        try:
+            self.weight_bus.catch_up(version)
+        except LearnerDied as died:  # the next step's learner call restarts the ranks
+            log.warning("weight catch-up of version %d: %s", version, died)
 
     def _why_no_groups(self, n: int) -> str:
         s = self.rt.buffer.stats()

@@ -11,8 +11,7 @@ Parts:
   rank, rank 0 loads the full model; the others build it on meta, shard it, allocate only their
   shards and receive them (and every buffer) by broadcast from rank 0, so no rank but 0 ever
   holds the full model. Tied embeddings stay one parameter (checked).
-- ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus
-  (``HandedOver`` when every one is new memory).
+- ``iter_full_parameters``: unsharded HF-named parameters one at a time, for the weight bus.
 
 FSDP2 only (``torch.distributed.fsdp.fully_shard``): FSDP1 segfaults on full-state-dict offload
 on CPU (DESIGN.md §11). Parameter names are untouched by FSDP2 and by HF's gradient
@@ -37,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrl.learner import varlen_attention
-from streamrl.weight_bus.base import HandedOver, NamedTensors
+from streamrl.weight_bus.base import NamedTensors
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -264,14 +263,10 @@ def iter_full_parameters(
 
     Every rank must drive this iterable to the end (each ``full_tensor()`` is a collective);
     other ranks yield nothing. At most one gathered parameter exists beyond the shards at any
-    time. When each full tensor is new memory (gathered from shards on other ranks, or cast to
-    ``dtype``), nothing writes to it once yielded and the tensors come ``HandedOver``: the weight
-    bus keeps references to them instead of a copy. Otherwise (world size 1, no cast) they
-    alias the live parameters: read-only views valid until the next optimizer step.
+    time. Without a gather or a cast (world size 1, no cast) the tensors alias the live
+    parameters: read-only views valid until the next optimizer step.
     """
-    params = list(model.named_parameters())
-    full = _full_parameters(params, dtype, every_rank)
-    return HandedOver(full) if all(made_anew(p, dtype) for _, p in params) else full
+    return _full_parameters(list(model.named_parameters()), dtype, every_rank)
 
 
 def _full_parameters(

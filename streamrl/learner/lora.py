@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from streamrl.config import LoraConfig
 from streamrl.learner.fsdp import made_anew
-from streamrl.weight_bus.base import HandedOver, NamedTensors
+from streamrl.weight_bus.base import NamedTensors
 
 ADAPTER = "default"
 """peft's name of the one adapter we train."""
@@ -94,10 +94,7 @@ def iter_merged_parameters(
     layers = {name + _BASE + ".weight": m for name, m in model.named_modules()
               if isinstance(m, LoraLayer)}
     base = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    merged = _merged(base, layers, dtype, every_rank)
-    # Merged weights are new memory; the rest is new when gathered from shards or cast.
-    anew = all(n in layers or made_anew(p, dtype) for n, p in base)
-    return HandedOver(merged) if anew else merged
+    return _merged(base, layers, dtype, every_rank)
 
 
 def adapter_name(name: str) -> str:
@@ -112,10 +109,7 @@ def iter_adapter_parameters(
     """The adapter's full tensors under their PEFT names, cast to ``dtype``; the base weights,
     which never change, are not sent. Every rank must drive it to the end (each gather is a
     collective)."""
-    adapter = adapter_parameters(model)
-    anew = all(made_anew(p, dtype) for _, p in adapter)
-    tensors = _adapter_tensors(adapter, dtype, every_rank)
-    return HandedOver(tensors) if anew else tensors
+    return _adapter_tensors(adapter_parameters(model), dtype, every_rank)
 
 
 def _adapter_tensors(adapter: list[tuple[str, nn.Parameter]], dtype: torch.dtype | None,

@@ -1094,12 +1094,13 @@ class SwapTokens:
     """``k`` tokens, one per replica allowed to swap at a time (``update_policy=rolling``).
 
     One object serves the whole fleet: shared by in-process replicas, or hosted in a named Ray
-    actor that replica actors call (``runtime.actors.RaySwapTokens``). ``take`` waits at most
-    ``timeout_s`` (weight_bus.timeout_s), then names the holders instead, so a stuck swap
-    becomes an error naming it, never a silent wait. A token is never taken back from its
-    holder (that would let k + 1 replicas swap at once); a holder asking again keeps its token:
-    a replica that died mid-swap is re-created under the same name, and its first load (the
-    weight bus's catch-up) takes over the token and gives it back.
+    actor that the driver makes and replica actors call (``runtime.actors.start_swap_tokens``,
+    ``RaySwapTokens``), so it outlives any replica. ``take`` waits at most ``timeout_s``
+    (weight_bus.timeout_s), then names the holders instead, so a stuck swap becomes an error
+    naming it, never a silent wait. A token is never taken back from a live holder (that would
+    let k + 1 replicas swap at once); the supervisor gives back a dead one's. A holder asking
+    again keeps its token: should that give-back fail, the replica re-created under the same
+    name takes the token over with its first load (the weight bus's catch-up) and gives it back.
     """
 
     def __init__(self, k: int, timeout_s: float) -> None:

@@ -127,7 +127,7 @@ def build_runtime(cfg: Config, *, learners: bool = True, serving: bool = False
         if fleet.members and cfg.trainer.log_level != "debug" and not torch.cuda.is_available():
             log.info(CPU_MODE_NOTE)  # in place of the engines' start-up warnings about it
         fleet.supervise(Supervisor(cfg, fleet.members, buffer, spawn, loops=not serving,
-                                   lock=fleet.lock))
+                                   lock=fleet.lock, swap_tokens=fleet.swap_tokens))
         yield Runtime(
             buffer=buffer, learner=learner_group,
             weight_bus=WeightBus(learner_group) if learner_group is not None else None,
@@ -170,7 +170,7 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
     """Learner ranks (their actors appended to ``actors``) and replicas in actors of their own,
     joined over the weight bus; the replicas set up and, with learners, connected. The engines
     start while the learner ranks do (each side takes seconds of imports and loading)."""
-    from streamrl.runtime.actors import LearnerActor, ReplicaActor
+    from streamrl.runtime.actors import LearnerActor, ReplicaActor, start_swap_tokens
 
     endpoint: str | None = None  # the bus, once the learner is up: a re-created replica joins it
 
@@ -182,8 +182,11 @@ def _start_disaggregated(cfg: Config, learners: bool, serving: bool, buffer: Buf
         ).remote(cfg, index, None if serving else buffer, endpoint, holder, reward_servers)
 
     num_replicas = cfg.rollout.num_replicas if rollout_pg is not None else 0
+    # Before any replica: each finds it by name as it sets up.
+    swap_tokens = (start_swap_tokens(cfg.weight_bus.rolling_k, cfg.weight_bus.timeout_s)
+                   if num_replicas and cfg.weight_bus.update_policy == "rolling" else None)
     fleet = Fleet([Member(i, spawn(i, holder_name(i, 0))) for i in range(num_replicas)],
-                  loops=not serving)
+                  loops=not serving, swap_tokens=swap_tokens)
     learner_group: LearnerGroup | None = None
 
     def start_ranks() -> list[Any]:

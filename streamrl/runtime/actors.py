@@ -132,16 +132,39 @@ class LearnerActor:
         try:
             nbytes, died = self.publisher.publish(version, params).nbytes, 0
         except ReceiverDied as exc:
-            # A replica died mid-broadcast: its supervisor re-creates it (the new incarnation
-            # catches up as a late joiner); the survivors have this version or need it again.
-            if exc.survivors and not exc.recovered:
-                raise
+            # A replica died mid-broadcast: its supervisor re-creates it; the new incarnation
+            # and the survivors are behind this version until a catch-up or the next publish.
             log.warning("%s", exc)
             nbytes, died = 0, len(exc.dead)
         seconds = time.perf_counter() - start
         return {"weight_bus/seconds": seconds, "weight_bus/bytes": float(nbytes),
                 "weight_bus/receivers_died": float(died),
                 "weight_bus/previous_load_wait_s": loads_s}
+
+    def behind(self, version: int) -> list[str]:
+        """The replicas a ``catch_up(version)`` would serve (rank 0's answer counts; none once
+        the learner's weights have moved on from the published ``version``)."""
+        if self.publisher is None or self.publisher.version != version:
+            return []
+        return self.publisher.behind()
+
+    def catch_up(self, version: int) -> None:
+        """Every rank gathers the weights again; rank 0 re-sends ``version`` to the replicas
+        behind it. A failure is logged: the next catch-up or publish tries again."""
+        import torch
+
+        from streamrl.weight_bus.base import WeightBusError
+
+        params = self.worker.named_full_parameters(getattr(torch, self.cfg.rollout.dtype))
+        if self.publisher is None:
+            for _ in params:  # the other ranks take part in each gather
+                pass
+            return
+        try:
+            stats = self.publisher.catch_up(version, params)
+            log.info("weight bus: version %d re-sent to %s, behind it", version, stats.receivers)
+        except WeightBusError as exc:
+            log.warning("weight bus: catch-up of version %d failed: %s", version, exc)
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]) -> str:
         return self.worker.save_checkpoint(step, extra)
@@ -163,42 +186,40 @@ SWAP_TOKENS_ACTOR = "streamrl-swap-tokens"
 namespace, so every run has its own."""
 
 
+def start_swap_tokens(k: int, timeout_s: float) -> Any:
+    """The fleet's ``SwapTokens`` (``weight_bus.update_policy=rolling``) in a named actor,
+    made by the driver before any replica. Why the driver: an actor lives as long as its
+    maker, and one a replica made died with it, taking the tokens held there along (the next
+    swap could overlap one still running). Owned by the driver, a token held by a replica that
+    dies stays held until its re-created incarnation takes it over (``SwapTokens``)."""
+    import ray
+
+    from streamrl.rollout_fleet.replica import SwapTokens
+
+    return ray.remote(SwapTokens).options(name=SWAP_TOKENS_ACTOR, num_cpus=0).remote(
+        k, timeout_s)
+
+
 class RaySwapTokens:
-    """The fleet's ``SwapTokens`` (``weight_bus.update_policy=rolling``) in a named Ray actor.
+    """A replica actor's way to the fleet's ``SwapTokens``: the named actor the driver made
+    (``start_swap_tokens``), found by name. In-process replicas share a ``SwapTokens`` object
+    instead."""
 
-    Why an actor: the replicas are actors of their own and the publisher only broadcasts, so
-    the one thing every replica reaches is a named actor; the first replica to start makes it
-    (``get_if_exists``: the others find that one). It lives as long as its maker: a call that
-    finds it gone (its maker died) makes a new one, and the tokens held in the old one are gone
-    with it, so at worst one swap overlaps once. In-process replicas share a ``SwapTokens``
-    object instead."""
-
-    def __init__(self, k: int, timeout_s: float) -> None:
-        self.k, self.timeout_s = k, timeout_s
-        self._handle: Any = None
-        self._actor()  # it starts in the background now, not in the first publish's turns
-
-    def _actor(self, fresh: bool = False) -> Any:
+    def __init__(self) -> None:
         import ray
 
-        from streamrl.rollout_fleet.replica import SwapTokens
-
-        if self._handle is None or fresh:
-            self._handle = ray.remote(SwapTokens).options(
-                name=SWAP_TOKENS_ACTOR, get_if_exists=True, num_cpus=0,
-            ).remote(self.k, self.timeout_s)
-        return self._handle
+        try:
+            self._handle = ray.get_actor(SWAP_TOKENS_ACTOR)
+        except ValueError:
+            raise RuntimeError(
+                f"weight_bus.update_policy=rolling: no swap tokens actor {SWAP_TOKENS_ACTOR!r} "
+                "in this run (the driver makes it: runtime.actors.start_swap_tokens)") from None
 
     async def take(self, holder: str) -> str | None:
-        from ray.exceptions import RayActorError
-
-        try:
-            return await self._actor().take.remote(holder)  # type: ignore[no-any-return]
-        except RayActorError:
-            return await self._actor(fresh=True).take.remote(holder)  # type: ignore[no-any-return]
+        return await self._handle.take.remote(holder)  # type: ignore[no-any-return]
 
     async def give_back(self, holder: str) -> None:
-        await self._actor().give_back.remote(holder)
+        await self._handle.give_back.remote(holder)
 
 
 class ReplicaActor:
@@ -251,8 +272,7 @@ class ReplicaActor:
                                partials=self._partial_store(),
                                partial_flush_s=(cfg.rollout.partial_flush_s
                                                 if cfg.buffer.backend == "redis" else 0.0),
-                               swap_tokens=(RaySwapTokens(cfg.weight_bus.rolling_k,
-                                                          cfg.weight_bus.timeout_s)
+                               swap_tokens=(RaySwapTokens()
                                             if cfg.weight_bus.update_policy == "rolling"
                                             else None))
         if self.bus_endpoint is not None:

@@ -99,6 +99,12 @@ class WeightBus:
     def publish(self, version: int) -> dict[str, float]:
         return self.learner.publish(version)
 
+    def catch_up(self, version: int) -> None:
+        """Re-send ``version`` (the learner's current weights) to the replicas behind it, if
+        any: the ranks gather only then (rank 0 answers whether any is)."""
+        if self.learner._all("behind", version):
+            self.learner._all("catch_up", version)
+
 
 class Fleet:
     """The rollout replicas, each a Ray actor running its continuous loop, or, in
@@ -107,9 +113,13 @@ class Fleet:
     Calls go to the live replicas only (one that died between two heartbeats is skipped: its
     supervisor replaces it), so a replica's death never crashes the controller."""
 
-    def __init__(self, members: list[Member], loops: bool = True) -> None:
+    def __init__(self, members: list[Member], loops: bool = True,
+                 swap_tokens: Any = None) -> None:
+        """``swap_tokens``: the rolling update's tokens actor (``actors.start_swap_tokens``),
+        held here so it lives as long as the fleet, whichever replica dies."""
         self.members = members
         self.loops = loops
+        self.swap_tokens = swap_tokens
         self.lock = threading.RLock()
         self.supervisor: Supervisor | None = None
 
@@ -230,6 +240,8 @@ class Fleet:
                 shut_down(m.actor, m.name, timeout)
             else:
                 ray.kill(m.actor)
+        if self.swap_tokens is not None:
+            ray.kill(self.swap_tokens)
 
     def load_state(self, states: list[dict[str, Any]]) -> None:
         if states:

@@ -115,6 +115,10 @@ class HybridActor(ReplicaActor):
 
     # -- what LearnerGroup calls --------------------------------------------------------------
 
+    async def behind(self, version: int) -> list[str]:
+        """No replica is ever behind: each worker's engine takes every version in place."""
+        return []
+
     async def get_version(self) -> int:
         return self.learner.get_version()
 

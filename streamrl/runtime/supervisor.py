@@ -10,7 +10,8 @@ A thread in the driver checks every replica each ``runtime.heartbeat_s`` (``Repl
   finishing, for ``runtime.stall_timeout_s``.
 
 Replacing: kill the actor (a hung one must not put late), ``buffer.release`` its holder (exactly
-the slots that incarnation held: the staleness accounting stays exact), then, after a backoff,
+the slots that incarnation held: the staleness accounting stays exact) and give back its rolling
+swap token if it held one (it swaps no more, so the others' turns come), then, after a backoff,
 start a new incarnation in the same placement bundle, resume its prompt cursor, wait until the
 weight bus has given it the current weights (the publisher's late-joiner catch-up) and start its
 loop. Each replica may be re-created ``runtime.max_restarts`` times; past that, or when creating
@@ -95,10 +96,13 @@ NOT_RECREATED = ("a co-located hybrid worker holds a learner rank and is not re-
 
 class Supervisor:
     def __init__(self, cfg: Config, members: list[Member], buffer: BufferConsumer,
-                 spawn: Spawn | None, loops: bool, lock: threading.RLock) -> None:
+                 spawn: Spawn | None, loops: bool, lock: threading.RLock,
+                 swap_tokens: Any = None) -> None:
         """``spawn`` None: members are never re-created (hybrid workers); the first death
-        stops the run."""
+        stops the run. ``swap_tokens``: the rolling update's tokens actor
+        (``actors.start_swap_tokens``), where a replacement gives back the dead one's turn."""
         self.cfg = cfg
+        self.swap_tokens = swap_tokens
         self.members = members
         self.buffer = buffer
         self.spawn = spawn
@@ -178,6 +182,12 @@ class Supervisor:
         released = self.buffer.release(member.holder)
         self.released += released
         log.error("%s: %s; %d admission(s) it held given back", member.name, cause, released)
+        if self.swap_tokens is not None:  # a dead replica samples nothing: its turn is over
+            try:
+                ray.get(self.swap_tokens.give_back.remote(member.name), timeout=60)
+            except Exception as exc:  # its incarnation's first load takes it over instead
+                log.warning("%s: giving back its swap token failed: %s", member.name,
+                            first_line(exc))
         if self.spawn is None:
             self.failure = f"{member.name} {cause}; {NOT_RECREATED}"
             log.error("%s", self.failure)
@@ -234,7 +244,8 @@ class Supervisor:
         published = self.buffer.stats().learner_version // every * every
         deadline = time.monotonic() + self.cfg.weight_bus.timeout_s
         while (version := int(ray.get(actor.version.remote(), timeout=60))) < published:
-            if time.monotonic() > deadline:  # e.g. NCCL: no late-joiner copy, next publish
+            # Behind until a catch-up (the learner waiting for groups) or the next publish.
+            if time.monotonic() > deadline:
                 log.warning("%s: still at weight version %d, the learner published %d; "
                             "starting it anyway (its first groups may be dropped as stale)",
                             member.name, version, published)

@@ -1,7 +1,7 @@
 """streamrl.weight_bus: learner -> rollout-fleet weight transfer (DESIGN.md §6).
 
-``base`` holds the protocol (``WeightPublisher``, ``WeightReceiver``, ``WeightSink``,
-``HandedOver``, the errors); ``make_publisher`` / ``make_receiver`` pick a backend from
+``base`` holds the protocol (``WeightPublisher``, ``WeightReceiver``, ``WeightSink``, the
+errors); ``make_publisher`` / ``make_receiver`` pick a backend from
 ``weight_bus.backend`` and, on the replica side, from what the engine can do
 (``receiver_class``). Backends: ``collective/`` (bucketed broadcast on a dedicated gloo/NCCL
 group, ``control`` for ZMQ announcements and acks), ``colocated`` (in-place swap in the
@@ -24,7 +24,6 @@ import torch
 from streamrl.net import LOOPBACK
 from streamrl.weight_bus.base import (
     GroupAborted,
-    HandedOver,
     NamedTensors,
     PublishStats,
     ReceiverDied,
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupAborted",
-    "HandedOver",
     "NamedTensors",
     "PublishStats",
     "ReceiverDied",

@@ -4,9 +4,6 @@ Parts:
 - ``WeightPublisher`` (learner rank 0): ``publish(version, named_tensors) -> PublishStats``,
   ``close()``. ``named_tensors`` is consumed lazily, one full (unsharded) HF-named tensor at a
   time, and always to the end (FSDP ranks gather in lockstep, even when a receiver fails).
-- ``HandedOver``: ``named_tensors`` whose producer gives the tensors up to the bus (each made
-  for this publish, written by nobody afterwards), so a publisher may keep references to them
-  instead of copies.
 - ``WeightReceiver`` (replica side): receives each announced version and hands the whole version
   to a ``WeightSink`` (``engine.load_weights`` or a replica's update entry point), ``close()``.
 - ``WeightSink``: ``async (weights, version) -> None``; the same shape as
@@ -23,7 +20,7 @@ this module; it imports none of them. The factories that choose one live in the 
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,23 +32,6 @@ WeightSink = Callable[[NamedTensors, int], Awaitable[None]]
 The tensors are views into receive buffers that are reused for the next version (no copy on
 the way in): a sink copies what it keeps, as every engine's ``load_weights`` does.
 """
-
-
-class HandedOver:
-    """Named tensors handed over to the bus with the version they carry.
-
-    The producer promises that each tensor was made for this publish (a gathered full tensor,
-    a cast) and that nothing writes to it afterwards, so a publisher may keep references to
-    them (``CollectivePublisher``'s copy of the latest version for late joiners) instead of
-    copying them. Iterating it is iterating ``named_tensors`` (once, lazily); a plain iterable
-    makes no promise, and is copied wherever it must outlive the publish.
-    """
-
-    def __init__(self, named_tensors: NamedTensors) -> None:
-        self._named_tensors = named_tensors
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self._named_tensors)
 
 
 class WeightBusError(RuntimeError):
@@ -67,18 +47,17 @@ class GroupAborted(WeightBusError):
 
 
 class ReceiverDied(WeightBusError):
-    """Receivers were lost during a publish (dead, or alive but silent); the group was
-    re-formed for the survivors."""
+    """Receivers were lost during a publish (dead, or alive but silent); survivors whose part of
+    the aborted broadcast had not completed are ``behind`` the version: the next publish, or a
+    ``catch_up`` of this one, reaches them."""
 
     def __init__(self, message: str, *, dead: dict[str, str], survivors: list[str],
-                 version: int, recovered: bool) -> None:
+                 version: int) -> None:
         super().__init__(message)
         self.dead = dead
         """Receiver id -> why it counts as dead."""
         self.survivors = survivors
         self.version = version
-        self.recovered = recovered
-        """True when the survivors got ``version`` anyway (re-sent from the learner's copy)."""
 
 
 @dataclass(frozen=True)
@@ -98,9 +77,23 @@ class PublishStats:
 class WeightPublisher(abc.ABC):
     """Learner side of the bus."""
 
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """The latest version published (-1 before the first)."""
+
     @abc.abstractmethod
     def publish(self, version: int, named_tensors: NamedTensors) -> PublishStats:
         """Send ``version`` to every receiver; versions must strictly increase."""
+
+    def behind(self) -> list[str]:
+        """Receivers that have not received the latest version (none on a bus that reaches
+        every receiver with every publish)."""
+        return []
+
+    def catch_up(self, version: int, named_tensors: NamedTensors) -> PublishStats:
+        """Re-send the latest ``version`` (its weights again) to the receivers ``behind`` it."""
+        raise NotImplementedError(f"{type(self).__name__} has no receivers to catch up")
 
     @abc.abstractmethod
     def close(self) -> None: ...

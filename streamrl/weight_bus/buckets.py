@@ -4,8 +4,9 @@ Parts:
 - ``BucketPacker.pack(named_tensors)``: lays out a version with no plan yet (the first): consumes
   the iterator one tensor at a time and yields a ``Bucket`` (a ``BucketSpec`` + a flat ``uint8``
   tensor) as soon as one is full, so a learner that gathers FSDP shards one parameter at a time
-  holds at most the open bucket of each dtype plus the buckets still on the wire. Released
-  buffers are reused (double buffering).
+  holds at most the open bucket of each dtype plus the buckets still on the wire. A released
+  buffer takes the next bucket; a weight larger than a bucket goes alone, as a view of its own
+  memory (no buffer of its size).
 - ``BucketPlan``: that layout, made once per model from the first version and reused by every
   later one: the buckets (fixed sizes and offsets), the order the learner yields the weights in,
   and the ``Segment`` s (byte ranges of a bucket, at most ``chunk_bytes``: a large weight or a
@@ -13,9 +14,9 @@ Parts:
   planned version carries no per-bucket header and a receiver posts every receive at once.
 - ``PlannedPacker.segments(named_tensors)``: the data of each segment of a planned version, in
   wire order, as soon as its last weight arrives; a view of the learner's own memory where the
-  segment is one contiguous run of same-dtype bytes there (zero-copy), else copied into the kept
-  copy of the version or into a pooled staging buffer. ``LayoutChanged`` when the weights do
-  not follow the plan.
+  segment is one contiguous run of same-dtype bytes there (zero-copy), else copied into a
+  pooled staging buffer (all of one size, so the buffers sent segments hand back take the next
+  ones). ``LayoutChanged`` when the weights do not follow the plan.
 - ``unpack(spec, data)``: the named tensors of a received bucket, as views into ``data`` (no copy).
 - ``dtype_name`` / ``dtype_from_name``: the dtype strings on the wire (a closed whitelist).
 
@@ -77,8 +78,9 @@ class Bucket:
 
     spec: BucketSpec
     data: torch.Tensor
-    buffer: torch.Tensor = field(repr=False)
-    """The whole (possibly larger) buffer, handed back to the packer by ``release``."""
+    buffer: torch.Tensor | None = field(repr=False)
+    """The whole (possibly larger) buffer, handed back to the packer by ``release``; None when
+    ``data`` is a view of the weight itself (one larger than a bucket)."""
 
 
 @dataclass
@@ -125,8 +127,8 @@ class BucketPacker:
 
     ``cast_dtype`` casts floating-point tensors (e.g. to the rollout dtype) while packing;
     ``device`` is where buckets live (``None``: the device of the tensor that opens a bucket).
-    A tensor larger than ``bucket_bytes`` travels alone in a bucket of its own size.
-    Buffers come from ``pool`` (shared across versions by the publisher).
+    A tensor larger than ``bucket_bytes`` travels alone in a bucket of its own: a view of the
+    tensor where it is contiguous on ``device``, else a copy. Buffers come from ``pool``.
     """
 
     def __init__(
@@ -146,7 +148,8 @@ class BucketPacker:
 
     def release(self, bucket: Bucket) -> None:
         """Hand a sent bucket's buffer back for reuse."""
-        self.pool.give(bucket.buffer)
+        if bucket.buffer is not None:
+            self.pool.give(bucket.buffer)
 
     def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self.pool.take(max(self.bucket_bytes, nbytes), device)
@@ -165,8 +168,16 @@ class BucketPacker:
             if current is not None and not current.fits(nbytes):
                 yield open_buckets.pop(tensor.dtype).close()
                 current = None
+            device = self.device or tensor.device
+            if nbytes > self.bucket_bytes and tensor.is_contiguous() and tensor.device == device:
+                # Alone anyway: a buffer of its size would double it while it is on the wire.
+                spec = TensorSpec(name=name, shape=tuple(tensor.shape),
+                                  dtype=dtype_name(tensor.dtype), offset=0, numel=tensor.numel())
+                yield Bucket(BucketSpec(dtype=spec.dtype, nbytes=nbytes, tensors=(spec,)),
+                             tensor.reshape(-1).view(torch.uint8), None)
+                del tensor
+                continue
             if current is None:
-                device = self.device or tensor.device
                 buffer = self._buffer(nbytes, device)
                 current = open_buckets[tensor.dtype] = _Open(tensor.dtype, buffer)
             offset = _align(current.offset)
@@ -306,20 +317,19 @@ class _Part:
 class PlannedPacker:
     """Produces the segments of a version that follows ``plan`` (lazily, in wire order).
 
-    With ``kept`` (one flat buffer per bucket of the plan) every weight is copied there: that copy
-    is the version the publisher keeps for late joiners, and the segments are views of it.
-    Without it a segment that is one contiguous run of bytes in the learner's memory (one weight,
-    or same-dtype weights laid out there as in the bucket) goes out as a view of that memory;
-    any other is copied into a staging buffer from ``pool``. ``device`` is the weight group's.
+    A segment that is one contiguous run of bytes in the learner's memory (one weight, or
+    same-dtype weights laid out there as in the bucket) goes out as a view of that memory; any
+    other is copied into a staging buffer from ``pool``. Every staging buffer has the size of
+    the plan's largest segment (at most its chunk), so those handed back by ``release`` take
+    the next segments: the pool holds no more of them than were on the wire at once.
+    ``device`` is the weight group's.
     """
 
     def __init__(self, plan: BucketPlan, *, device: torch.device,
-                 cast_dtype: torch.dtype | None = None, kept: list[torch.Tensor] | None = None,
-                 pool: BufferPool | None = None) -> None:
-        if kept is not None and [k.numel() for k in kept] != [b.nbytes for b in plan.buckets]:
-            raise ValueError("kept buffers do not match the plan's buckets")
-        self.plan, self.device, self.cast_dtype, self.kept = plan, device, cast_dtype, kept
+                 cast_dtype: torch.dtype | None = None, pool: BufferPool | None = None) -> None:
+        self.plan, self.device, self.cast_dtype = plan, device, cast_dtype
         self.pool = pool if pool is not None else BufferPool()
+        self.staging_bytes = max((s.nbytes for s in plan.segments), default=0)
 
     def release(self, out: Outgoing) -> None:
         """Hand a sent segment's staging buffer back for reuse."""
@@ -360,13 +370,10 @@ class PlannedPacker:
         return _Part(tensor.contiguous().reshape(-1).view(torch.uint8), spec.offset)
 
     def _fill(self, index: int, segment: Segment, parts: list[_Part]) -> Outgoing:
-        if self.kept is None and (view := self._view(segment, parts)) is not None:
+        if (view := self._view(segment, parts)) is not None:
             return Outgoing(index, view)
-        staging = None
-        if self.kept is not None:
-            dest = self.kept[segment.bucket][segment.start: segment.end]
-        else:
-            dest = staging = self.pool.take(segment.nbytes, self.device)
+        staging = self.pool.take(self.staging_bytes, self.device)
+        dest = staging[: segment.nbytes]
         for p in parts:
             lo, hi = max(segment.start, p.offset), min(segment.end, p.end)
             dest[lo - segment.start: hi - segment.start].copy_(p.data[lo - p.offset: hi - p.offset])

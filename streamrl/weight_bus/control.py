@@ -200,8 +200,6 @@ class ControlServer:
         self._strangers = 0
         self.cond = threading.Condition()
         self.peers: dict[str, Peer] = {}
-        self.joiners: list[str] = []
-        """Receivers that said hello since the last ``take_joiners`` (catch-up candidates)."""
         self._acks: dict[str, dict[str, dict[str, Ack]]] = {}
         """publish id -> receiver id -> stage -> ack."""
         self._io = _IOThread(self._ctx, sock, self._handle, self._tick, 0.25,
@@ -228,9 +226,9 @@ class ControlServer:
                 return
             if (isinstance(msg, Hello) or peer is None
                     or (peer.gone and (isinstance(msg, Ack) or not peer.silenced))):
-                # Unknown or declared-dead receivers (re)join: they are catch-up candidates.
+                # Unknown or declared-dead receivers (re)join, behind until a version reaches
+                # them (``CollectivePublisher.behind``).
                 self.peers[msg.receiver_id] = peer = Peer(msg.receiver_id, now)
-                self.joiners.append(msg.receiver_id)
                 log.info("weight bus: receiver %r joined", msg.receiver_id)
             peer.last_seen = now
             if isinstance(msg, (Hello, Heartbeat)):
@@ -290,24 +288,14 @@ class ControlServer:
                     self.peers[rid].gone = why or "declared dead"
                     self.peers[rid].silenced = silenced
 
-    def take_joiners(self) -> list[str]:
-        with self.cond:
-            out, self.joiners = self.joiners, []
-            return out
-
-    def requeue_joiners(self, ids: list[str] | tuple[str, ...]) -> None:
-        """Joiners a failed catch-up did not serve: tried again (the dead drop out as such)."""
-        with self.cond:
-            self.joiners.extend(ids)
-
     def loaded_versions(self) -> dict[str, int]:
         with self.cond:
             return {p.receiver_id: p.loaded_version for p in self.peers.values() if not p.gone}
 
-    def received_version(self, receiver_id: str) -> int:
+    def received_versions(self) -> dict[str, int]:
+        """The latest version each member received (acked ``received``, or said it loaded)."""
         with self.cond:
-            peer = self.peers.get(receiver_id)
-            return -1 if peer is None else peer.received_version
+            return {p.receiver_id: p.received_version for p in self.peers.values() if not p.gone}
 
     def failed_acks(self, publish_id: str) -> dict[str, str]:
         """Receivers that acked ``failed`` for ``publish_id``, with their error."""

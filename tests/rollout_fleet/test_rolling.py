@@ -11,7 +11,8 @@ group starts on weights older than the version admission was opened for, and eve
 taken within the staleness bound (none dropped); a replica waiting for its turn claims no
 slot; the router sends a new call to a replica that is not swapping, and waits while all are;
 a wait for a turn runs out with an error naming the replica and the holder; replica actors
-share one Ray actor's tokens; the config accepts rolling only where it can work.
+share the driver's Ray actor's tokens, which outlive a replica that dies holding one; the
+config accepts rolling only where it can work.
 """
 
 from __future__ import annotations
@@ -286,20 +287,37 @@ def test_router_waits_while_every_replica_swaps():
     asyncio.run(scenario())
 
 
-def test_ray_swap_tokens_are_one_actor_shared_by_the_fleet(ray_local):
-    """Each replica actor builds its own ``RaySwapTokens``; they meet in one named actor, so
-    the second waits for the first's token and names it when the wait runs out."""
-    from streamrl.runtime.actors import RaySwapTokens
+def test_ray_swap_tokens_are_the_drivers_actor_and_outlive_a_holder(ray_local):
+    """The driver makes the tokens' actor (``start_swap_tokens``, as ``build_runtime`` does);
+    each replica actor finds it by name, so the second waits for the first's token and names
+    it. The first dies holding it: the token stays held (it lives in the driver's actor, not
+    the dead replica's), until the supervisor replacing the dead replica gives it back."""
+    import threading
 
-    async def scenario():
-        first, second = RaySwapTokens(1, 0.3), RaySwapTokens(1, 0.3)
-        assert await first.take("replica-0") is None
-        assert "replica-0 (for" in (await second.take("replica-1") or "")
-        await first.give_back("replica-0")
-        assert await second.take("replica-1") is None
-        await second.give_back("replica-1")
+    from streamrl.runtime.actors import RaySwapTokens, start_swap_tokens
+    from streamrl.runtime.supervisor import Member, Supervisor
 
-    asyncio.run(scenario())
+    @ray_local.remote(num_cpus=0)
+    class ReplicaStandIn:
+        def __init__(self) -> None:
+            self.tokens = RaySwapTokens()
+
+        async def take(self, holder: str) -> str | None:
+            return await self.tokens.take(holder)
+
+    with pytest.raises(RuntimeError, match="no swap tokens actor 'streamrl-swap-tokens'"):
+        RaySwapTokens()
+    actor = start_swap_tokens(1, 0.3)
+    first = ReplicaStandIn.remote()
+    assert ray_local.get(first.take.remote("replica-0"), timeout=60) is None
+    ray_local.kill(first)
+    second = RaySwapTokens()
+    assert "replica-0 (for" in (asyncio.run(second.take("replica-1")) or "")
+    supervisor = Supervisor(load_config([]), [], MemoryBuffer(B, ETA), spawn=None,
+                            loops=True, lock=threading.RLock(), swap_tokens=actor)
+    supervisor.replace(Member(0, first), "its actor died")  # spawn None: not re-created
+    assert asyncio.run(second.take("replica-1")) is None
+    ray_local.kill(actor)
 
 
 def test_a_turn_that_never_comes_names_the_replica_and_the_holder():

@@ -60,13 +60,29 @@ def test_pack_consumes_lazily_and_reuses_released_buffers() -> None:
     first = next(it)
     # The third tensor did not fit: bucket 1 went out before w2 was packed anywhere.
     assert len(first.spec.tensors) == 2 and len(consumed) == 3
+    assert first.buffer is not None
     storage = first.buffer.data_ptr()
     packer.release(first)  # bucket 1 left the wire: bucket 2 is packed into its buffer
     second = next(it)
-    assert second.buffer.data_ptr() == storage and len(consumed) == 5
+    assert second.buffer is not None and second.buffer.data_ptr() == storage
+    assert len(consumed) == 5
     assert dict(unpack(second.spec, second.data))["w2"][0].item() == 2.0
     third = next(it)  # bucket 2 not released (still "on the wire"): a second buffer
-    assert third.buffer.data_ptr() != storage
+    assert third.buffer is not None and third.buffer.data_ptr() != storage
+
+
+def test_a_weight_larger_than_a_bucket_goes_alone_as_a_view_of_itself() -> None:
+    big, small = torch.arange(1024, dtype=torch.float32), torch.ones(16)
+    packer = BucketPacker(2048)
+    buckets = list(packer.pack([("a", small), ("big", big), ("b", small.clone())]))
+    assert [[t.name for t in b.spec.tensors] for b in buckets] == [["a"], ["big"], ["b"]]
+    alone = buckets[1]
+    assert alone.buffer is None and alone.data.data_ptr() == big.data_ptr()  # no copy
+    packer.release(alone)  # nothing to hand back
+    assert torch.equal(dict(unpack(alone.spec, alone.data))["big"], big)
+    # Not contiguous: copied into a buffer of its own size.
+    [copied] = list(BucketPacker(2048).pack([("t", big.view(32, 32).t())]))
+    assert copied.buffer is not None and copied.spec.nbytes == 4096
 
 
 def test_unpacked_tensors_are_views() -> None:
@@ -119,20 +135,31 @@ def test_plan_cuts_segments_at_weights_chunks_and_bucket_changes() -> None:
     assert plan.tensor(3).name == "h" and plan.order[4] == (0, 3)
 
 
-def test_planned_versions_roundtrip_kept_or_zero_copy() -> None:
-    state, plan = make_state(1), planned(make_state(0), bucket_bytes=20_000, chunk_bytes=4096)
-    for kept in ([torch.empty(b.nbytes, dtype=torch.uint8) for b in plan.buckets], None):
-        packer = PlannedPacker(plan, device=torch.device("cpu"), kept=kept)
-        received = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in plan.buckets]
-        outs = list(packer.segments(state.items()))
-        assert [o.index for o in outs] == list(range(len(plan.segments)))  # in wire order
-        for out, seg in zip(outs, plan.segments, strict=True):
-            received[seg.bucket][seg.start: seg.end].copy_(out.data)
-            if kept is not None:  # every segment is a view of the kept copy
-                assert out.data.data_ptr() == kept[seg.bucket][seg.start:].data_ptr()
-        got = [pair for spec, data in zip(plan.buckets, received, strict=True)
-               for pair in unpack(spec, data)]
-        assert digest(sorted(got)) == digest(sorted(state.items()))
+def test_planned_versions_roundtrip_staging_through_one_reused_buffer() -> None:
+    """Sent one segment at a time (each released before the next is packed), a version needs
+    one staging buffer, of the largest segment's size, whatever its runs of small weights."""
+    def layers(seed: int) -> dict[str, torch.Tensor]:  # large weights, each after a small pair
+        gen = torch.Generator().manual_seed(seed)
+        return {name: torch.randn(shape, generator=gen) for i in range(6)
+                for name, shape in ((f"{i}.w", (64, 48)), (f"{i}.a", (8,)), (f"{i}.b", (8,)))}
+
+    state, plan = layers(1), planned(layers(0), bucket_bytes=20_000, chunk_bytes=4096)
+    packer = PlannedPacker(plan, device=torch.device("cpu"))
+    received = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in plan.buckets]
+    staging, staged = set(), 0
+    for index, out in enumerate(packer.segments(state.items())):
+        assert out.index == index  # in wire order
+        seg = plan.segments[index]
+        received[seg.bucket][seg.start: seg.end].copy_(out.data)
+        if out.staging is not None:
+            assert out.staging.numel() == packer.staging_bytes == 4096
+            staging.add(out.staging.data_ptr())
+            staged += 1
+        packer.release(out)
+    assert len(staging) == 1 and staged == 6  # each small pair, through the same buffer
+    got = [pair for spec, data in zip(plan.buckets, received, strict=True)
+           for pair in unpack(spec, data)]
+    assert digest(sorted(got)) == digest(sorted(state.items()))
 
 
 def test_contiguous_same_dtype_weights_go_out_zero_copy() -> None:

@@ -17,7 +17,6 @@ from streamrl.config import Config, WeightBusConfig, replace
 from streamrl.rollout_fleet.replica import Replica
 from streamrl.runtime.actors import ReplicaActor
 from streamrl.weight_bus import (
-    HandedOver,
     ReceiverDied,
     WeightBusError,
     make_publisher,
@@ -102,10 +101,17 @@ def test_publish_reaches_every_receiver_and_late_joiner(publisher, fleet) -> Non
     with pytest.raises(ValueError, match="version=2: must be greater"):
         publisher.publish(2, v2.items())
 
-    # A replica joining late ends up on the latest version without a new publish.
+    # A replica joining late is behind (no copy is kept for it) and not waited for; the
+    # learner's weights of version 2, gathered again, reach it alone.
     fleet.spawn("late")
+    assert publisher.control.wait_for(lambda: publisher.behind() == ["late"], TIMEOUT_S)
+    assert publisher.wait_loaded(2, timeout=1) == {"late": -1, "r0": 2, "r1": 2}
+    with pytest.raises(ValueError, match="re-sends the latest published version"):
+        publisher.catch_up(1, v1.items())
+    caught = publisher.catch_up(2, v2.items())
+    assert caught.receivers == ("late",) and caught.generation > stats2.generation
     assert fleet.wait_loaded("late", 2) == digest(v2.items())
-    assert 1 not in fleet.loaded["late"]
+    assert 1 not in fleet.loaded["late"] and publisher.behind() == []
 
     # The next publish re-forms the group with all three.
     v3 = make_state(3)
@@ -115,11 +121,9 @@ def test_publish_reaches_every_receiver_and_late_joiner(publisher, fleet) -> Non
         assert fleet.wait_loaded(rid, 3) == digest(v3.items())
 
 
-@pytest.mark.parametrize("handed", [False, True], ids=["copied", "handed-over"])
-def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fleet,
-                                                                   handed: bool) -> None:
-    """The survivor gets the version re-sent from the kept copy, or from the references to
-    handed-over weights."""
+def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fleet) -> None:
+    """A survivor that did not get the whole version is behind it (no copy is kept) until a
+    catch-up re-sends it; whether its own broadcast completed before the death is timing."""
     fleet.spawn("alive", "victim")
     publisher.wait_for_receivers(2)
     v1 = make_state(1)
@@ -130,14 +134,15 @@ def test_sigkill_mid_broadcast_names_the_dead_and_survivors_rejoin(publisher, fl
     weights = killing(v2, after=3, pid=fleet.procs["victim"].pid)
     start = time.monotonic()
     with pytest.raises(ReceiverDied) as info:
-        publisher.publish(2, HandedOver(weights) if handed else weights)
+        publisher.publish(2, weights)
     elapsed = time.monotonic() - start
     assert elapsed < TIMEOUT_S, f"the dead receiver took {elapsed:.1f} s to be named"
     err = info.value
     assert list(err.dead) == ["victim"] and "victim" in str(err)
-    assert err.survivors == ["alive"] and err.recovered
-    # The survivor got version 2 anyway (re-sent on a re-formed group), intact.
-    assert fleet.wait_loaded("alive", 2) == digest(v2.items())
+    assert err.survivors == ["alive"] and publisher.behind() in ([], ["alive"])
+    # Version 2 again (the learner's weights gathered again) on a re-formed group, intact.
+    publisher.catch_up(2, v2.items())
+    assert fleet.wait_loaded("alive", 2) == digest(v2.items()) and publisher.behind() == []
 
     v3 = make_state(3)
     stats = publisher.publish(3, v3.items())
@@ -166,6 +171,8 @@ def test_a_resumed_publishers_lower_version_is_loaded_and_views_are_handed_over(
         pub.publish(10, state.items())  # the resume's publish, before the replica is back
         with make_receiver(cfg, endpoint=pub.endpoint, sink=sink, receiver_id="kept") as rx:
             assert isinstance(rx, CollectiveReceiver)
+            pub.wait_for_receivers(1)
+            pub.catch_up(10, state.items())
             assert rx.wait_version(10, 10)
             pub.publish(11, state.items())
             assert rx.wait_version(11, 10)
@@ -280,7 +287,7 @@ def test_aclose_on_the_loop_lets_the_version_being_loaded_finish() -> None:
 
 
 def test_later_versions_follow_the_plan_zero_copy_and_a_layout_change_makes_a_new_one() -> None:
-    pub = CollectivePublisher(bucket_mb=0.01, timeout_s=TIMEOUT_S, keep_latest=False)
+    pub = CollectivePublisher(bucket_mb=0.01, timeout_s=TIMEOUT_S)
     fleet = Fleet(pub.endpoint)
     try:
         fleet.spawn("solo")
@@ -307,7 +314,7 @@ def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_wo
     """A receiver whose engine hangs while loading keeps heartbeating but takes no announcement:
     the publish names it within ``timeout_s`` (it was 2.4x), the others get the version, its
     heartbeats alone do not bring it back to stall the next publish, and once it works again
-    it is caught up to the latest version."""
+    a catch-up brings it to the latest version."""
     unstuck = fleet.ctx.Event()
     fleet.spawn("alive")
     fleet.spawn("stuck", unstuck=unstuck)
@@ -324,7 +331,8 @@ def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_wo
     assert elapsed < TIMEOUT_S, f"the silent receiver took {elapsed:.1f} s to be named"
     err = info.value
     assert list(err.dead) == ["stuck"] and "silent" in err.dead["stuck"]
-    assert err.survivors == ["alive"] and err.recovered
+    assert err.survivors == ["alive"]
+    publisher.catch_up(2, v2.items())
     assert fleet.wait_loaded("alive", 2) == digest(v2.items())
 
     v3 = make_state(3)
@@ -332,7 +340,9 @@ def test_a_silent_receiver_is_named_within_one_timeout_and_readmitted_once_it_wo
     stats = publisher.publish(3, v3.items())  # heartbeats alone: still out
     assert stats.receivers == ("alive",) and time.monotonic() - start < TIMEOUT_S / 2
 
-    unstuck.set()  # the engine recovers: its next ack readmits it, the catch-up serves v3
+    unstuck.set()  # the engine recovers: its next ack readmits it, behind v3
+    assert publisher.control.wait_for(lambda: publisher.behind() == ["stuck"], 2 * TIMEOUT_S)
+    assert publisher.catch_up(3, v3.items()).receivers == ("stuck",)
     assert fleet.wait_loaded("stuck", 3, timeout=3 * TIMEOUT_S) == digest(v3.items())
     assert fleet.wait_loaded("stuck", 1) == digest(v1.items()) and 2 not in fleet.loaded["stuck"]
 

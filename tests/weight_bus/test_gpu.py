@@ -45,7 +45,7 @@ def test_nccl_publish_roundtrip() -> None:  # pragma: no cover - GPU only
         assert reports.get(timeout=120) == ("ready", {})
         assert publisher.wait_for_receivers(1) == ["gpu-rx"]
         # Version 1 goes out streamed and makes the bucket plan; version 2 follows the plan,
-        # zero-copy from the GPU tensors (no copy is kept with NCCL). Each arrives bit-exact.
+        # zero-copy from the GPU tensors. Each arrives bit-exact.
         for version in (1, 2):
             state = {k: v.cuda() for k, v in make_state(version).items()}
             stats = publisher.publish(version, state.items())

@@ -18,19 +18,18 @@ nothing here is imported by ``base``):
 Failure handling. Every wait is bounded by ``timeout_s`` and polls a check: on the learner, "has
 a member stopped heartbeating or acked ``failed``"; on receivers, "did the learner set this
 generation's abort flag". When a receiver dies mid-broadcast the learner still drains the
-iterator (FSDP ranks gather in lockstep), aborts the generation, names the dead receivers
-(``ReceiverDied``), forms a new generation with the survivors and re-sends the version to them
-from its copy, so survivors rejoin without any action of theirs.
+iterator (FSDP ranks gather in lockstep), aborts the generation and names the dead receivers
+(``ReceiverDied``); the survivors did not get that version either.
 
-Late joiners (documented choice): with ``keep_latest`` (default on gloo/CPU) the learner keeps the
-latest version (one extra copy of the weights in host memory) and a background thread sends it
-to any receiver that joins late, on a generation of its own, right away. Weights that come
-``HandedOver`` (the learner's, when gathered from shards or cast) are kept by reference: they go
-out zero-copy and only runs of small weights are copied. Any other iterable may be written to
-after ``publish``: it is packed into the kept copy, which is the one copy such a version costs
-(the segments go out from it). Without it (default with NCCL: the copy would cost GPU memory;
-weights go out zero-copy where they lie contiguously) a late joiner gets the weights with the
-next ``publish``.
+Memory (documented choice): the publisher keeps no copy of any version. It stages one bucket at
+a time for the first version of a model and, for later ones, only runs of small weights, in
+buffers of one chunk reused from segment to segment; large weights go out as views of the
+learner's own tensors, held while on the wire (at most about one bucket of them). So a receiver
+that has not received the latest version (``CollectivePublisher.behind``: created or restarted
+after it was published, or a survivor of its failed broadcast) is not served from a copy: it gets
+the next ``publish``, or the learner gathers the same weights again at a step boundary and
+``catch_up`` re-sends that version to those receivers only (the runtime does so while the
+learner waits for groups, so a fleet that is behind as a whole cannot stall it).
 """
 
 from streamrl.weight_bus.collective.publisher import CollectivePublisher

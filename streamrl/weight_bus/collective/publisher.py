@@ -3,13 +3,14 @@
 Roster, announcements and acks go over ``control.ControlServer``; group generations rendezvous on
 one ``TCPStore``. ``publish`` packs lazily from the learner's iterator, broadcasts on the current
 generation and checks every receiver's ``received`` ack and the manifest it assembled, within
-``timeout_s``. The first version of a model is streamed bucket by bucket (``wire.send_streamed``)
-and yields the model's ``BucketPlan``; every later one follows that plan
-(``wire.send_planned``: the plan is announced once per generation, segments go out as they are
-packed, zero-copy where the kept copy is off or the weights are ``HandedOver``). After a failed
-broadcast ``_recover`` aborts the generation, names the dead and re-sends the version to the
-survivors; ``_catch_up`` serves late joiners from the kept copy (see the package docstring for
-both policies).
+``timeout_s``. The first version of a model is streamed bucket by bucket (``wire.send_streamed``,
+one bucket staged at a time) and yields the model's ``BucketPlan``; every later one follows that
+plan (``wire.send_planned``: the plan is announced once per generation, segments go out as they
+are packed, zero-copy where the weights lie contiguously, else through staging buffers of one
+chunk). Nothing outlives its broadcast: the publisher keeps no copy of any version. After a
+failed broadcast ``_recover`` aborts the generation and names the dead; the survivors, like late
+joiners, are ``behind`` until the next ``publish`` or a ``catch_up`` serves them (see the package
+docstring for both policies).
 
 Dependencies: ``base`` (the protocol), ``buckets`` (packing), ``control`` (ZMQ), ``groups``,
 ``wire``.
@@ -23,8 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import msgspec
 import torch
@@ -33,7 +33,6 @@ import torch.distributed as dist
 from streamrl.net import LOOPBACK, free_port
 from streamrl.types import BucketSpec
 from streamrl.weight_bus.base import (
-    HandedOver,
     NamedTensors,
     PublishStats,
     ReceiverDied,
@@ -43,7 +42,6 @@ from streamrl.weight_bus.base import (
     check_version,
 )
 from streamrl.weight_bus.buckets import (
-    SMALL_BYTES,
     Bucket,
     BucketPacker,
     BucketPlan,
@@ -57,29 +55,12 @@ from streamrl.weight_bus.control import Announce, ControlServer
 from streamrl.weight_bus.groups import GroupSpec, WeightGroup, join_group
 
 log = logging.getLogger(__name__)
-CATCH_UP_RETRY_S = 2.0
 GLOO_CHUNK_BYTES = 8 << 20
 """Largest broadcast of a planned version on gloo: a chunk is packed while the one before it is
 on the wire. Measured on 2 cores (95 MiB, loopback, packed): 1-2 MiB chunks pay gloo's fixed
 cost per broadcast (0.7x a raw broadcast), 8 MiB came closest to it. NCCL sends whole buckets."""
 Transmit = Callable[[WeightGroup, Check], list[BucketSpec]]
 """Broadcasts one version on a formed group, polling the check; returns the specs it followed."""
-T = TypeVar("T")
-
-
-@dataclass
-class _Kept:
-    """The latest version, kept for late joiners and for the survivors of a failed publish."""
-
-    segments: list[torch.Tensor]
-    """The bytes of each segment of the plan, in wire order: views of ``copy``, or (a
-    ``HandedOver`` version) views of the learner's tensors and the staging buffers of the rest."""
-    copy: list[torch.Tensor] | None = None
-    """One flat buffer per bucket holding a copy of the version; the next copied version is
-    packed into them (warm pages)."""
-    staged: list[torch.Tensor] = field(default_factory=list)
-    """Pooled staging buffers behind ``segments``, back to the pool when a ``HandedOver``
-    version replaces this one."""
 
 
 class _Dead(WeightBusError):
@@ -100,7 +81,6 @@ class CollectivePublisher(WeightPublisher):
         timeout_s: float = 60.0,
         backend: str = "gloo",
         cast_dtype: torch.dtype | None = None,
-        keep_latest: bool | None = None,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: must be 'gloo' or 'nccl'")
@@ -109,7 +89,6 @@ class CollectivePublisher(WeightPublisher):
         self.host, self.backend, self.timeout_s = host, backend, timeout_s
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.cast_dtype = cast_dtype
-        self.keep_latest = backend == "gloo" if keep_latest is None else keep_latest
         self.control = ControlServer(host, port, timeout_s=timeout_s)
         self.endpoint = self.control.endpoint
         self._store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s),
@@ -118,15 +97,11 @@ class CollectivePublisher(WeightPublisher):
         self._version = -1
         self._plan: BucketPlan | None = None
         self._plan_generation = -1  # the generation that got ``_plan`` announced last
-        self._kept: _Kept | None = None
-        self._pool = BufferPool()  # bucket buffers reused from version to version (warm pages)
+        # Staging buffers reused from segment to segment and version to version (warm pages).
+        self._pool = BufferPool()
         self._generation = 0
         self._group: WeightGroup | None = None
         self._members: tuple[str, ...] = ()
-        self._closed = threading.Event()
-        self._catch_up_thread = threading.Thread(target=self._catch_up_loop, daemon=True,
-                                                 name="weight-bus-catch-up")
-        self._catch_up_thread.start()
 
     @property
     def version(self) -> int:
@@ -143,52 +118,49 @@ class CollectivePublisher(WeightPublisher):
         return self.control.live()
 
     def wait_loaded(self, version: int, timeout: float | None = None) -> dict[str, int]:
-        """Block until every live receiver loaded ``version`` (or newer); returns their versions."""
-        def done() -> bool:
-            live = self.control.live()
+        """Block until every live receiver that received ``version`` (or newer) loaded it;
+        returns every member's loaded version. Receivers ``behind`` it are not waited for: no
+        load of it is coming until a publish or ``catch_up`` reaches them."""
+        def loading() -> dict[str, int]:
+            """Live receivers that received ``version`` or newer and have not loaded it."""
+            received = self.control.received_versions()
             loaded = self.control.loaded_versions()
-            return all(loaded.get(r, -1) >= version for r in live)
+            return {r: loaded.get(r, -1) for r in self.control.live()
+                    if received.get(r, -1) >= version and loaded.get(r, -1) < version}
 
-        if not self.control.wait_for(done, timeout or self.timeout_s):
-            loaded = self.control.loaded_versions()
-            behind = {r: v for r, v in loaded.items() if v < version}
-            raise WeightBusError(f"weight bus: receivers {behind} did not load version {version} "
-                                 f"within {timeout or self.timeout_s} s")
+        if not self.control.wait_for(lambda: not loading(), timeout or self.timeout_s):
+            raise WeightBusError(f"weight bus: receivers {loading()} (loaded versions) did not "
+                                 f"load version {version} within {timeout or self.timeout_s} s")
         return self.control.loaded_versions()
 
     def publish(self, version: int, named_tensors: NamedTensors) -> PublishStats:
-        start = time.monotonic()
         with self._lock:
             check_version(version, self._version)
-            members = tuple(self.control.live())
-            self.control.take_joiners()  # members get this version; no catch-up needed
-            source = iter(named_tensors)
-            publish_id = uuid.uuid4().hex
-            try:
-                transmit, drain = self._version_out(source,
-                                                    isinstance(named_tensors, HandedOver))
-                failure = self._send_to(members, version, publish_id, transmit)
-                drain()  # even after a failure: the other FSDP ranks gather in lockstep
-            except LayoutChanged as exc:
-                self._forget_layout(version, source, exc)
-            assert self._plan is not None
-            specs = list(self._plan.buckets)
-            self._version = version
-            if failure is not None:
-                self._recover(members, version, publish_id, failure)
-            return PublishStats(
-                version=version, nbytes=sum(b.nbytes for b in specs),
-                num_tensors=len(self._plan.order), num_buckets=len(specs),
-                seconds=time.monotonic() - start, receivers=members,
-                generation=self._generation if members else -1,
-            )
+            return self._publish(version, tuple(self.control.live()), named_tensors,
+                                 new_version=True)
+
+    def behind(self) -> list[str]:
+        """Live receivers that have not received the latest version: joined since it was
+        published (a replica created or restarted mid-run) or survivors of its failed publish."""
+        with self._lock:
+            received = self.control.received_versions()
+            return [r for r in self.control.live() if received.get(r, -1) < self._version]
+
+    def catch_up(self, version: int, named_tensors: NamedTensors) -> PublishStats:
+        """Send the latest version again, to the receivers ``behind`` it only (on a generation
+        of their own). ``named_tensors`` must be that version's weights: the learner's, at the
+        step boundary it published them at (every FSDP rank gathers them again). Consumed to
+        the end even when nobody is behind. A failure is raised as by ``publish``."""
+        with self._lock:
+            if version < 0 or version != self._version:
+                _exhaust(iter(named_tensors))
+                raise ValueError(f"version={version}: catch_up re-sends the latest published "
+                                 f"version ({self._version}), unchanged")
+            return self._publish(version, tuple(self.behind()), named_tensors, new_version=False)
 
     def close(self) -> None:
-        self._closed.set()
-        self._catch_up_thread.join(timeout=5)
         with self._lock:
             self._drop_group()
-            self._kept = None
             self._pool.clear()
         self.control.close()
 
@@ -202,74 +174,61 @@ class CollectivePublisher(WeightPublisher):
         return self.bucket_bytes if self.backend == "nccl" else min(GLOO_CHUNK_BYTES,
                                                                      self.bucket_bytes)
 
-    def _version_out(self, source: NamedTensors,
-                     handed: bool) -> tuple[Transmit, Callable[[], None]]:
+    def _publish(self, version: int, targets: tuple[str, ...], named_tensors: NamedTensors, *,
+                 new_version: bool) -> PublishStats:
+        """Send ``version`` to ``targets`` (under ``_lock``): a new version (``publish``) or
+        the latest again (``catch_up``)."""
+        start = time.monotonic()
+        source = iter(named_tensors)
+        publish_id = uuid.uuid4().hex
+        try:
+            transmit, drain = self._version_out(source)
+            failure = self._send_to(targets, version, publish_id, transmit)
+            drain()  # even after a failure: the other FSDP ranks gather in lockstep
+        except LayoutChanged as exc:
+            self._forget_layout(version, source, exc, new_version)
+        assert self._plan is not None
+        specs = list(self._plan.buckets)
+        self._version = version
+        if failure is not None:
+            self._recover(targets, version, publish_id, failure)
+        return PublishStats(
+            version=version, nbytes=sum(b.nbytes for b in specs),
+            num_tensors=len(self._plan.order), num_buckets=len(specs),
+            seconds=time.monotonic() - start, receivers=targets,
+            generation=self._generation if targets else -1,
+        )
+
+    def _version_out(self, source: NamedTensors) -> tuple[Transmit, Callable[[], None]]:
         """How this version goes out (``transmit``) and ``drain``, which packs what the
-        broadcast did not (or all of it, with no receivers) and leaves ``_plan`` and ``_kept``
-        describing this version. ``handed``: the weights are ``HandedOver``."""
+        broadcast did not (or all of it, with no receivers) and leaves ``_plan`` describing
+        this version."""
         if self._plan is None:
-            return self._streamed(source, handed)
-        old, self._kept = self._kept, None  # nothing to serve until this version is whole
-        copy = None
-        if self.keep_latest and not handed:  # the caller may write its tensors: copy them
-            copy = old.copy if old is not None and old.copy is not None else [
-                self._pool.take(b.nbytes, self._device()) for b in self._plan.buckets]
-        elif self.keep_latest and old is not None:
-            # Kept by reference: the last such version's staging buffers take this one's runs
-            # of small weights (a copied version's buffers go with ``old``).
-            for buffer in old.staged:
-                self._pool.give(buffer)
+            return self._streamed(source)
         packer = PlannedPacker(self._plan, device=self._device(), cast_dtype=self.cast_dtype,
-                               kept=copy, pool=self._pool)
-        outs: list[Outgoing] = []
+                               pool=self._pool)
         segments = packer.segments(source)
-        if self.keep_latest:
-            # Kept as they went out; without the kept copy nothing outlives its broadcast (a
-            # gathered weight is freed as soon as it is sent).
-            segments = _noted(segments, outs)
-        sent = _noop if self.keep_latest else packer.release
+        return (lambda group, check: self._send_planned(group, check, segments, packer.release),
+                lambda: _exhaust(segments))
 
-        def drain() -> None:
-            _exhaust(segments)
-            if self.keep_latest:
-                self._kept = _Kept([o.data for o in outs], copy,
-                                   [o.staging for o in outs if o.staging is not None])
-
-        return (lambda group, check: self._send_planned(group, check, segments, sent), drain)
-
-    def _streamed(self, source: NamedTensors,
-                  handed: bool) -> tuple[Transmit, Callable[[], None]]:
+    def _streamed(self, source: NamedTensors) -> tuple[Transmit, Callable[[], None]]:
         """The first version of a model: bucket by bucket, each with its spec; makes the plan."""
         packer = BucketPacker(self.bucket_bytes, cast_dtype=self.cast_dtype,
                               device=self._device(), pool=self._pool)
         names: list[str] = []
-        packed: list[Bucket] = []
-        buckets = _noted(packer.pack(_named(source, names)), packed)
-        # The packed buckets are the kept copy of this version: not handed back for reuse.
-        release = _noop if self.keep_latest else packer.release
-        # Zero-copy needs a weight per broadcast; when every byte is copied into the kept copy
-        # anyway, fewer, chunk-sized broadcasts are cheaper (measured: 0.83 vs 0.78 of a raw
-        # broadcast with 1 receiver, 1.00 vs 0.92 with 2). A learner that hands its weights over
-        # once does so every time: its versions are kept without a copy.
-        chunk = self._chunk_bytes()
-        copied = self.keep_latest and not handed
+        specs: list[BucketSpec] = []
+        buckets = _specs_noted(packer.pack(_named(source, names)), specs)
 
         def drain() -> None:
             _exhaust(buckets)
-            plan = BucketPlan.build([b.spec for b in packed], names, chunk,
-                                    chunk if copied else SMALL_BYTES)
-            self._plan, self._plan_generation = plan, -1
-            if self.keep_latest:
-                copy = [b.data for b in packed]
-                self._kept = _Kept([copy[g.bucket][g.start: g.end] for g in plan.segments], copy)
-            else:
-                # Later versions go out zero-copy and stage only runs of small weights: the
-                # streamed version's bucket buffers would sit in the pool for good (236 MiB of
-                # SmolLM2's 513 at 64 MB buckets, benchmarks/weight_bus.py --model smollm2).
-                self._pool.clear()
+            self._plan = BucketPlan.build(specs, names, self._chunk_bytes())
+            self._plan_generation = -1
+            # Later versions stage only runs of small weights, in buffers of one chunk: the
+            # streamed version's bucket buffer would sit in the pool for good.
+            self._pool.clear()
 
         return (lambda group, check: send_streamed(group, buckets, timeout_s=self.timeout_s,
-                                                   check=check, sent=release),
+                                                   check=check, sent=packer.release),
                 drain)
 
     def _send_planned(self, group: WeightGroup, check: Check, segments: Iterator[Outgoing],
@@ -282,14 +241,15 @@ class CollectivePublisher(WeightPublisher):
                      sent=sent)
         return list(self._plan.buckets)
 
-    def _forget_layout(self, version: int, source: NamedTensors,
-                       exc: LayoutChanged) -> NoReturn:
+    def _forget_layout(self, version: int, source: NamedTensors, exc: LayoutChanged,
+                       new_version: bool) -> NoReturn:
         """The weights no longer follow the plan: no receiver got this version (its broadcast
         is aborted) and the next publish makes a new plan."""
         _exhaust(iter(source))  # the other FSDP ranks gather in lockstep
         self._drop_group(f"version {version} does not follow the bucket plan: {exc}")
-        self._plan, self._kept = None, None
-        raise WeightBusError(f"weight bus: version {version} was not published: its weights do "
+        self._plan = None
+        what = "published" if new_version else "re-sent"
+        raise WeightBusError(f"weight bus: version {version} was not {what}: its weights do "
                              f"not follow the bucket plan made from the first version ({exc}); "
                              "publish it again to make a new plan") from exc
 
@@ -386,13 +346,6 @@ class CollectivePublisher(WeightPublisher):
                                  f"from version {version}'s")
         self.control.drop_acks(publish_id)
 
-    def _send_cached(self, targets: tuple[str, ...]) -> None:
-        """Send the kept copy of the latest version to ``targets`` (it follows the plan)."""
-        assert self._plan is not None and self._kept is not None
-        segments = (Outgoing(i, data) for i, data in enumerate(self._kept.segments))
-        self._send(targets, self._version, uuid.uuid4().hex,
-                   lambda group, check: self._send_planned(group, check, segments, _noop))
-
     def _identify_lost(self, members: tuple[str, ...], publish_id: str,
                        failure: Exception) -> tuple[dict[str, str], bool]:
         """Who was lost, and whether they are alive but silent. After a timeout, the members
@@ -418,76 +371,36 @@ class CollectivePublisher(WeightPublisher):
 
     def _recover(self, members: tuple[str, ...], version: int, publish_id: str,
                  failure: Exception) -> None:
-        """After a failed broadcast: abort the generation, name the lost, serve the survivors."""
+        """After a failed broadcast: abort the generation, name the lost. Nothing is re-sent
+        (no copy is kept): survivors that did not receive the version whole are ``behind`` it
+        until a publish or ``catch_up``."""
         generation = self._generation
-        self._drop_group(f"publish of version {version} failed: {failure}")
+        self._drop_group(f"send of version {version} failed: {failure}")
         dead, silenced = ((failure.dead, False) if isinstance(failure, _Dead)
                           else self._identify_lost(members, publish_id, failure))
         self.control.forget(dead, silenced=silenced)
         survivors = [m for m in members if m not in dead]
-        recovered = False
-        if survivors and self._kept is not None:
-            try:
-                self._send_cached(tuple(survivors))
-                recovered = True
-            except (WeightBusError, RuntimeError) as exc:
-                log.error("weight bus: re-sending version %d to %s failed: %s",
-                          version, survivors, exc)
         if not dead:
             raise WeightBusError(
-                f"weight bus: publish of version {version} on generation {generation} failed "
-                f"({failure}); members {list(members)}; "
-                + ("re-sent to all of them" if recovered else "they need a fresh publish")
-            ) from failure
-        what = (f"version {version} re-sent to them on generation {self._generation}"
-                if recovered else "they get the next publish")
+                f"weight bus: send of version {version} on generation {generation} failed "
+                f"({failure}); members {list(members)} are behind it until the next publish "
+                "or catch_up") from failure
         raise ReceiverDied(
-            f"weight bus: receiver(s) {sorted(dead)} lost during publish of version {version} "
+            f"weight bus: receiver(s) {sorted(dead)} lost during the send of version {version} "
             f"(generation {generation}): "
             + "; ".join(f"{rid}: {why}" for rid, why in sorted(dead.items()))
-            + f". Group re-formed for the survivors {survivors}; {what}.",
-            dead=dead, survivors=survivors, version=version, recovered=recovered,
+            + f". Those of the survivors {survivors} that did not receive it whole are behind it "
+            "until the next publish or catch_up.",
+            dead=dead, survivors=survivors, version=version,
         ) from failure
 
-    def _catch_up_loop(self) -> None:
-        while not self._closed.is_set():
-            self.control.wait_for(lambda: bool(self.control.joiners) or self._closed.is_set(),
-                                  0.5)
-            if self._closed.is_set() or not self.control.joiners:
-                continue
-            with self._lock:
-                self._catch_up()
-            if self.control.joiners:  # a failed catch-up requeued them: back off first
-                self._closed.wait(CATCH_UP_RETRY_S)
 
-    def _catch_up(self) -> None:
-        """Serve the receivers that joined behind the latest version (under ``_lock``)."""
-        joiners = self.control.take_joiners()
-        live = set(self.control.live())
-        behind = tuple(sorted(j for j in set(joiners) & live
-                              if self.control.received_version(j) < self._version))
-        if not behind:
-            return
-        if self._kept is None:
-            log.info("weight bus: %s joined late; no copy kept, the next publish serves them",
-                     behind)
-            return
-        try:
-            self._send_cached(behind)
-            log.info("weight bus: sent version %d to late joiners %s", self._version, behind)
-        except (WeightBusError, RuntimeError) as exc:
-            log.error("weight bus: catch-up of %s failed: %s; retrying in %.0f s", behind, exc,
-                      CATCH_UP_RETRY_S)
-            self._drop_group(f"catch-up failed: {exc}")
-            # A joiner left behind would sample with stale weights forever: try again.
-            self.control.requeue_joiners(behind)
-
-
-def _noted(items: Iterator[T], into: list[T]) -> Iterator[T]:
-    """Yield ``items``, appending each to ``into``."""
-    for item in items:
-        into.append(item)
-        yield item
+def _specs_noted(buckets: Iterator[Bucket], into: list[BucketSpec]) -> Iterator[Bucket]:
+    """Yield ``buckets``, appending each one's spec to ``into`` (the buckets themselves go once
+    sent)."""
+    for bucket in buckets:
+        into.append(bucket.spec)
+        yield bucket
 
 
 def _named(source: NamedTensors, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -501,6 +414,3 @@ def _exhaust(items: Iterator[object]) -> None:
     for _ in items:
         pass
 
-
-def _noop(_item: object) -> None:
-    return None

@@ -9,7 +9,7 @@ Every version opens with a header ``int64[2] = (kind, n)`` broadcast from rank 0
   the next segments.
 - ``STREAMED``: a version with no plan yet (the first of a model): per bucket a header
   ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``, the flat data; a ``(0, 0)``
-  header ends it. The publisher makes the plan from it.
+  header ends it. The publisher makes the plan from it, staging one bucket at a time.
 
 Parts: ``send_planned`` / ``send_streamed`` (rank 0), ``recv_version`` (every other rank),
 ``manifest_of`` (the ``WeightManifest`` both sides assemble; the publisher compares the
@@ -99,9 +99,11 @@ def send_planned(group: WeightGroup, plan: BucketPlan, segments: Iterator[Outgoi
 def send_streamed(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: float,
                   check: Check, sent: Callable[[Bucket], None]) -> list[BucketSpec]:
     """Broadcast every bucket ``buckets`` yields, each after its spec; ``sent(bucket)`` once a
-    bucket left the wire. One bucket stays on the wire while the next is packed."""
+    bucket left the wire, which is before the next one is packed: the sender stages one bucket
+    at a time (its buffer takes the next). Only the first version of a model goes this way, so
+    packing does not overlap the wire only once."""
     specs: list[BucketSpec] = []
-    window = _Window(group, 0, timeout_s, check)  # retire all but the newest broadcast
+    window = _Window(group, 0, timeout_s, check)
     window.post(_header(group, STREAMED, 0), "version header")
     for bucket in buckets:
         spec_bytes = encode(bucket.spec)
@@ -109,6 +111,7 @@ def send_streamed(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: f
         window.post(_header(group, len(spec_bytes), bucket.spec.nbytes), f"header of {what}")
         window.post(_blob(group, spec_bytes), f"spec of {what}")
         window.post(bucket.data, what, lambda bucket=bucket: sent(bucket))
+        window.drain()
         specs.append(bucket.spec)
     window.post(_header(group, 0, 0), "end-of-version marker")
     window.drain()
