@@ -240,11 +240,14 @@ def test_controller_names_filtered_groups_when_no_batch_comes():
     from streamrl.errors import RunStopped
 
     cfg = replace(Config(), **{"rollout.filter_groups": True, "buffer.take_timeout_s": 0.05})
-    runtime = SimpleNamespace(learner=object(), weight_bus=object(), fleet=FilteringFleet(),
+    caught_up: list[int] = []  # while it waits, the controller offers late replicas version 0
+    runtime = SimpleNamespace(learner=object(), weight_bus=SimpleNamespace(
+                                  catch_up=caught_up.append), fleet=FilteringFleet(),
                               buffer=MemoryBuffer(groups_per_step=2, max_staleness=1))
     with pytest.raises(RunStopped, match=r"37 groups filtered for equal rewards "
                                          r"\(rollout.filter_groups=true\)"):
         Controller(cfg, runtime)._take(2, 0)
+    assert caught_up and set(caught_up) == {0}
 
 
 # -- the algorithm=dapo preset and its validation ---------------------------------------------
