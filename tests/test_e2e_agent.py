@@ -36,10 +36,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-# one_step_off runs by hand (-m manual) to keep the suite within 25 minutes: the agent loop is
-# the same code in every mode, and the single-turn end-to-end test runs all three in CI.
+# sync and one_step_off run by hand (-m manual) to keep the suite within 30 minutes: the agent
+# loop is the same code in every mode, the single-turn end-to-end tests run all three modes in
+# CI, and tests/test_e2e_serve.py has a multi-turn relay agent learn in sync.
 @pytest.mark.parametrize(("mode", "eta"), [
-    ("sync", 0), pytest.param("one_step_off", 1, marks=pytest.mark.manual), ("fully_async", 1)])
+    pytest.param("sync", 0, marks=pytest.mark.manual),
+    pytest.param("one_step_off", 1, marks=pytest.mark.manual), ("fully_async", 1)])
 def test_agent_learns_to_condition_on_observations(
     mode: str, eta: int, tmp_path: Path, tiny_model_dir: Path
 ) -> None:

@@ -1,6 +1,8 @@
 """Partial rollouts across a SIGTERM, end to end (docs/partials.md): a real `streamrl train`
-stopped by SIGTERM saves each replica's groups in flight with their tokens so far, and a
-`trainer.resume=auto` run continues them from those tokens. The exactness of a resumed response
+stopped by SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C: one line, exit 143, none of its
+processes left (Ray's own handler would abort the driver and orphan its workers), and each
+replica's groups in flight saved with their tokens so far; a `trainer.resume=auto` run
+continues them from those tokens. The exactness of a resumed response
 (its tokens, log-probs and versions) is tested on a real engine in
 tests/rollout_fleet/test_replica_partials.py; here: the wiring from the signal to the file and
 from the file back into the replica of the next run."""
@@ -13,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from streamrl.rollout_fleet.partials import PartialSnapshot
@@ -51,8 +54,13 @@ def test_a_sigterm_saves_the_groups_in_flight_and_a_resumed_run_continues_them(
         wait_for(lambda: latest_step(out) > step, RUN_TIMEOUT_S, "the next checkpoint",
                  first_log)
         time.sleep(STOP_AFTER_S)
+        family = set(psutil.Process(proc.pid).children(recursive=True))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM, first_log.read_text()[-3000:]
+    assert "streamrl: interrupted (SIGTERM); the run's processes were stopped" in \
+        first_log.read_text(errors="replace")
+    _, left = psutil.wait_procs(list(family), timeout=30)
+    assert not [p for p in left if p.status() != "zombie"], [p.cmdline()[:3] for p in left]
 
     saved = decode((out / "partials" / "replica-0.msgpack").read_bytes(), PartialSnapshot)
     assert saved.groups and saved.num_tokens > 0, saved

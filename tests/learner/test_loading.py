@@ -1,6 +1,7 @@
 """Loading without needless copies (fsdp.load_sharded): on two gloo ranks only rank 0 reads the
-checkpoint, and every rank ends with exactly the model a plain one-process load gives (weights,
-non-persistent buffers, the tie, the critic's zero head)."""
+checkpoint, and every rank's actor, reference and critic end as a shard of exactly the model a
+plain one-process load gives (weights, non-persistent buffers, the tie, the critic's zero
+head)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from streamrl.learner.fsdp import (
-    MeshSpec,
-    init_distributed,
     load_causal_lm,
-    load_sharded,
     load_value_model,
 )
 from streamrl.learner.worker import LearnerWorker
@@ -39,35 +36,6 @@ def is_tied(model: nn.Module) -> bool:
     return model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
-def load_on_rank(rank: int, world: int, port: int, model_dir: str) -> dict[str, Any]:
-    init_distributed(rank, world, "127.0.0.1", port, CPU)
-    out: dict[str, Any] = {}
-    for role, load in LOADERS.items():
-        model = load_sharded(load, model_dir, CPU, MeshSpec(dp_shard=world))
-        rows = model.get_input_embeddings().weight.to_local().shape[0]
-        out[role] = {"state": full_state(model), "local_rows": rows}
-        if role == "actor":
-            out["tied"] = is_tied(model)
-    dist.destroy_process_group()
-    return out
-
-
-def test_two_ranks_load_what_one_process_loads(tiny_model_dir: Path, tmp_path: Path) -> None:
-    ranks = run_ranks(2, load_on_rank, str(tiny_model_dir), tmp=tmp_path)
-    for role, load in LOADERS.items():
-        plain = load(tiny_model_dir, CPU)
-        vocab = plain.get_input_embeddings().weight.shape[0]
-        expected = full_state(plain)
-        for rank in ranks:
-            assert rank[role]["local_rows"] < vocab  # each rank holds a shard, not the whole
-            got = rank[role]["state"]
-            assert got.keys() == expected.keys()
-            assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
-    assert all(rank["tied"] for rank in ranks)
-    assert any("inv_freq" in k for k in expected)  # the rotary buffers were compared too
-    assert not ranks[0]["critic"]["state"]["score.weight"].any()  # the value head starts at 0
-
-
 def weights_only_on_rank0(model_dir: Path, tmp: Path) -> Path:
     """A copy of the model directory without its weight files: what rank 1 is pointed at."""
     bare = tmp / "no-weights"
@@ -83,7 +51,10 @@ def worker_on_rank(rank: int, world: int, port: int, model_dirs: list[str],
     worker = LearnerWorker(cfg, rank, world, "127.0.0.1", port)
     assert worker.ref is not None and worker.critic is not None
     models = {"actor": worker.actor.model, "ref": worker.ref.model, "critic": worker.critic.model}
-    result = {role: full_state(model) for role, model in models.items()}
+    result: dict[str, Any] = {role: full_state(model) for role, model in models.items()}
+    result["local_rows"] = {role: model.get_input_embeddings().weight.to_local().shape[0]
+                            for role, model in models.items()}
+    result["tied"] = is_tied(worker.actor.model)
     worker.shutdown()
     return result
 
@@ -97,6 +68,12 @@ def test_only_rank0_reads_the_checkpoint(tiny_model_dir: Path, tmp_path: Path) -
     expected = {"actor": full_state(load_causal_lm(tiny_model_dir, CPU)),
                 "critic": full_state(load_value_model(tiny_model_dir, CPU))}
     expected["ref"] = expected["actor"]
+    vocab = expected["actor"]["model.embed_tokens.weight"].shape[0]
     for rank in ranks:
         for role, state in expected.items():
+            assert rank[role].keys() == state.keys(), role
             assert [k for k in state if not torch.equal(rank[role][k], state[k])] == [], role
+            assert rank["local_rows"][role] < vocab  # each rank holds a shard, not the whole
+        assert rank["tied"]
+    assert any("inv_freq" in k for k in expected["actor"])  # the rotary buffers were compared
+    assert not ranks[0]["critic"]["score.weight"].any()  # the value head starts at 0
