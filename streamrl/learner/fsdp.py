@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrl.learner import varlen_attention
@@ -138,7 +138,9 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
 
     1. activation checkpointing (HF's, non-reentrant; it must see the unsharded layer forward),
     2. ``fully_shard`` on every decoder layer (its params are gathered just for its forward),
-    3. ``fully_shard`` on the root (embeddings, final norm, head; tied weights stay together).
+    3. ``fully_shard`` on the root (embeddings, final norm, head; tied weights stay together),
+       resharded as soon as a backward has passed the head and final norm
+       (``_reshard_root_in_backward``), not after the first decoder layer's backward.
 
     With ``spec.mixed_precision`` every unit gathers its parameters as bf16 copies for forward
     and backward (its layer inputs cast to bf16), reduces gradients in fp32 into the fp32
@@ -152,10 +154,32 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
         if spec.mixed_precision
         else MixedPrecisionPolicy()
     )
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    root = fully_shard(model, mesh=mesh, mp_policy=mp)
+    layers[-1].register_forward_hook(_reshard_root_in_backward(root))
     return model
+
+
+def _reshard_root_in_backward(model: FSDPModule) -> Callable[..., None]:
+    """A forward hook for the last decoder layer: once a backward's gradient reaches that
+    layer's output, the root unit's gathered parameters are freed.
+
+    The root unit (embeddings, final norm, head) stays gathered from its forward to the end
+    of its backward, after the first decoder layer's, but its parameters are used only by the
+    final norm and head, which backward passes first: the embedding lookup's backward needs the
+    token ids alone. Its gradients still accumulate on the gathered parameters, which the root's
+    post-backward reduces as before. Frees the embedding (SmolLM2: 108 MiB fp32, gathered copy
+    even at world size 1) for the decoder layers' backward, where the step's peak is. A model
+    whose root parameters take part in backward below the decoder layers would fail loudly
+    (their storage is freed), not silently."""
+    def on_output(module: nn.Module, args: Any, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_grad_enabled() and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: model.reshard())
+
+    return on_output
 
 
 # fp32 masters everywhere: mixed precision casts per forward, the optimizer keeps fp32.

@@ -1,6 +1,7 @@
 """A learner process's malloc gives every block from ``MMAP_THRESHOLD`` up a mapping of its own
 (so it goes back to the system when freed), from the moment its ``Actor`` is built. Checked in
-a fresh process: the setting is process-wide and lasts for the process's life."""
+a fresh process: the setting is process-wide and lasts for the process's life. The decoder
+layers' backward, where a step's peak is, holds no gathered root unit (fsdp.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
+from streamrl.learner import fsdp
 from streamrl.learner.memory import MMAP_THRESHOLD, glibc, release_free_heap
+from streamrl.learner.worker import LearnerWorker
 from streamrl.testing import ResidentMemory
+from tests.support.learner import free_port, make_batch, make_config, with_advantages
 
 pytestmark = pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's")
 
@@ -79,3 +86,40 @@ def test_release_free_heap_returns_freed_small_blocks() -> None:
     for block in blocks[1::2]:
         libc.free(block)
     assert released >= 0.75 * count // 2 * size / 2**20
+
+
+def test_decoder_backward_holds_no_gathered_root(tiny_model_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient checkpointing, several micro-batches: while the decoder layers backpropagate,
+    the root unit (tied embedding + head) is resharded, its gathered copy freed; the gradients
+    equal those of FSDP2's default (the root gathered until its post-backward) to 1e-5."""
+    batch = make_batch()
+    config = {"model.gradient_checkpointing": True, "actor.ppo_micro_batch_size": 1,
+              "actor.grad_clip": 0.0}
+
+    def grads_and_states(tmp: Path) -> tuple[list[Tensor], list[bool]]:
+        worker = LearnerWorker(make_config(tiny_model_dir, tmp, **config), 0, 1, "127.0.0.1",
+                               free_port())
+        model = worker.actor.model
+        sharded: list[bool] = []
+
+        def on_first_layer(module: nn.Module, args: tuple, output: object) -> None:
+            if args[0].requires_grad:  # its gradient arrives after the last layer's backward
+                args[0].register_hook(lambda grad: sharded.append(
+                    isinstance(model.get_input_embeddings().weight, DTensor)))
+
+        model.model.layers[0].register_forward_hook(on_first_layer)
+        grads: list[Tensor] = []
+        worker.actor.optimizer.register_step_pre_hook(lambda *_: grads.extend(
+            p.grad.full_tensor().clone() for p in model.parameters()))
+        worker.update(with_advantages(worker.prepare(batch), worker.cfg))
+        return grads, sharded
+
+    monkeypatch.setattr(fsdp, "_reshard_root_in_backward", lambda model: lambda *_: None)
+    reference, gathered = grads_and_states(tmp_path / "default")
+    monkeypatch.undo()
+    grads, sharded = grads_and_states(tmp_path / "resharded")
+    assert len(sharded) >= 2 and all(sharded)  # every micro-batch's decoder backward
+    assert gathered and not any(gathered)  # what the check tells apart
+    for got, want in zip(grads, reference, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
