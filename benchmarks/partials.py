@@ -77,7 +77,7 @@ for _key, _value in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"),
 
 import asyncio  # noqa: E402 - the environment above must be set before torch / vLLM load
 
-from streamrl.testing import result_line  # noqa: E402
+from streamrl.testing import CountingEngine, result_line  # noqa: E402
 
 SECTIONS = ("resume", "publish", "reward")
 RESUME_GOAL = 0.0
@@ -159,22 +159,6 @@ async def wait(condition: Callable[[], bool], what: str) -> None:
 
 
 # -- resume: tokens thrown away across a SIGTERM-resume -----------------------------------------
-
-
-class CountingEngine:
-    """The real engine, counting every token it samples (aborted returns included)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.sampled = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
-        out = await self._engine.generate(prompt_ids, params, request_id)
-        self.sampled += sum(len(c.token_ids) for c in out)
-        return out
 
 
 class Arm:

@@ -34,10 +34,14 @@ then runs in that dtype too).
    same weights in its worker (``commit_staged``'s ``load_into_worker``). Goal: pause <= 1.2x
    the reload (median of the swaps after the first). Also printed: the largest gap between
    finished requests during a swap vs without one, and one plain copy of the state dict in
-   memory.
+   memory. Per ``--receive`` mode (``weight_bus.receive``, both by default, one replica process
+   each): ``staged`` receives each version whole while the engine samples, ``streamed`` pauses
+   first and receives bucket by bucket into the model, so its pause is transfer plus load; its
+   pause is compared with the staged replica's reload (same run).
 3. Memory (``--model smollm2`` only; ``--skip-memory`` leaves it out). Per bucket size and
    learner mode, a fresh publisher process (holding the state dict) publishes 4 versions to
-   one fresh receiver process (a ``CollectiveReceiver`` whose sink does nothing). Each side's
+   one fresh receiver process (a ``CollectiveReceiver`` whose sink takes every weight and keeps
+   none, in each ``--receive`` mode). Each side's
    peak extra memory is its resident-set high-water mark over those versions (VmHWM, reset
    through /proc/self/clear_refs) minus its resident set before the first one; also printed:
    what it still holds after them. The learner modes: ``live`` yields its own tensors (world
@@ -54,6 +58,9 @@ Ends with one ``RESULT <name> value=<x> goal=<op><y> met=yes|no`` line per goal
 (``smollm2_bf16`` with ``--dtype bfloat16``), then, per bucket size b,
 ``weight_bus_smollm2_publisher_extra_buckets_<mode>_<b>mb`` for mode in live, gathered and
 ``weight_bus_smollm2_receiver_extra_buckets_<b>mb`` (the larger over the modes), in buckets.
+With ``--receive streamed`` (or both): ``replica_pause_streamed_vs_reload[_<tag>]`` and
+``weight_bus_smollm2_receiver_streamed_extra_buckets_<b>mb``. ``--skip-throughput``,
+``--skip-pause`` and ``--skip-memory`` leave sections out.
 """
 
 from __future__ import annotations
@@ -178,15 +185,23 @@ class RawMember:
         return store, pg
 
 
+def _consume(weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    """A sink that takes every weight and keeps none (a streamed version is received as it is
+    iterated)."""
+    for _ in weights:
+        pass
+
+
 def receiver_main(endpoints: list[str], rid: str, raw: RawMember | None, ready: Any,
-                  done: Any) -> None:
+                  done: Any, receive: str = "staged") -> None:
     """One receiver process: a bus receiver per publisher and, with ``raw``, a raw-group member.
     Once ``done`` says so, puts its extra memory since it joined (``ResidentMemory.extra_mib``) on
     ``ready``."""
     from streamrl.weight_bus.collective import CollectiveReceiver
 
     torch.set_num_threads(1)
-    receivers = [CollectiveReceiver(e, lambda w, v: None, receiver_id=rid, timeout_s=TIMEOUT_S)
+    receivers = [CollectiveReceiver(e, _consume, receiver_id=rid, timeout_s=TIMEOUT_S,
+                                    receive=receive)
                  for e in endpoints]
     rss = ResidentMemory()
     ready.put(rid)
@@ -272,26 +287,37 @@ class _SwapTimer:
         engine.pause, engine.resume = timed_pause, timed_resume
 
 
-def replica_main(model_dir: str, dtype: str, endpoint: str, swaps: int, out: Any) -> None:
+def replica_main(model_dir: str, dtype: str, endpoint: str, swaps: int, receive: str,
+                 out: Any) -> None:
     from streamrl.config import RolloutConfig
     from streamrl.rollout_fleet.engine import SamplingParams
     from streamrl.rollout_fleet.vllm_engine import VLLMEngine
-    from streamrl.weight_bus.vllm_receiver import StagedWeights, VLLMReceiver, commit_staged
+    from streamrl.weight_bus.vllm_receiver import (
+        StagedWeights,
+        StreamedWeights,
+        VLLMReceiver,
+        commit_staged,
+    )
 
     async def main() -> None:
         engine = VLLMEngine(model_dir, RolloutConfig(max_model_len=256, dtype=dtype))
         timer = _SwapTimer(engine)
         reloads: list[float] = []
+        wires: list[float] = []  # streamed: of each pause, the seconds spent receiving
         finishes: list[float] = []
 
-        async def load(weights: StagedWeights, version: int) -> None:
+        async def load(weights: StagedWeights | StreamedWeights, version: int) -> None:
+            if isinstance(weights, StreamedWeights):  # received while the engine is paused
+                await weights.load_into(engine, version)
+                wires.append(weights.wire_s)
+                return
             # StagedWeights.load_into, keeping what the worker reports: its reload's seconds.
             [reload_s] = await engine.load_weights_with(commit_staged, (weights.publish_id,),
                                                         version)
             reloads.append(reload_s)
 
         receiver = VLLMReceiver(endpoint, engine, sink=load, receiver_id="vllm",
-                                timeout_s=TIMEOUT_S)
+                                timeout_s=TIMEOUT_S, receive=receive)
         stop = asyncio.Event()
 
         async def sample(i: int) -> None:
@@ -311,6 +337,7 @@ def replica_main(model_dir: str, dtype: str, endpoint: str, swaps: int, out: Any
         stop.set()
         await asyncio.gather(*loops)
         out.put({"pauses": [end - start for start, end in timer.pauses], "reloads": reloads,
+                 "wires": wires,
                  **_gaps(finishes, timer.pauses)})
         await receiver.aclose()  # on its own loop: close() would wait on a load needing it
         await engine.close()
@@ -351,7 +378,7 @@ def replica_model(source: Source) -> tuple[str, dict[str, torch.Tensor]]:
     return str(model_dir), model.state_dict()
 
 
-def pause(source: Source, swaps: int) -> dict[str, Any]:
+def pause(source: Source, swaps: int, receive: str) -> dict[str, Any]:
     from streamrl.weight_bus.collective import CollectivePublisher
 
     model_dir, state = replica_model(source)
@@ -360,7 +387,8 @@ def pause(source: Source, swaps: int) -> dict[str, Any]:
     out = ctx.Queue()
     with CollectivePublisher(timeout_s=TIMEOUT_S) as pub:
         # Not a daemon: AsyncLLM starts its engine core as a child process of the replica.
-        proc = ctx.Process(target=replica_main, args=(model_dir, dtype, pub.endpoint, swaps, out))
+        proc = ctx.Process(target=replica_main,
+                           args=(model_dir, dtype, pub.endpoint, swaps, receive, out))
         proc.start()
         assert out.get(timeout=600) == "ready"
         pub.wait_for_receivers(1)
@@ -383,7 +411,7 @@ def pause(source: Source, swaps: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- memory ----
-def memory_main(source: Source, bucket_mb: int, mode: str, out: Any) -> None:
+def memory_main(source: Source, bucket_mb: int, mode: str, receive: str, out: Any) -> None:
     """A publisher process: publishes ``MEMORY_VERSIONS`` versions to one receiver process; puts
     both sides' ``ResidentMemory.extra_mib`` on ``out``, the publisher's less the peak of the
     learner's own iterator (consumed without the bus first)."""
@@ -399,7 +427,7 @@ def memory_main(source: Source, bucket_mb: int, mode: str, out: Any) -> None:
     ready, done = ctx.Queue(), ctx.Queue()
     with CollectivePublisher(bucket_mb=bucket_mb, timeout_s=TIMEOUT_S) as pub:
         proc = ctx.Process(target=receiver_main, daemon=True,
-                           args=([pub.endpoint], "r1", None, ready, done))
+                           args=([pub.endpoint], "r1", None, ready, done, receive))
         proc.start()
         try:
             ready.get(timeout=TIMEOUT_S)
@@ -415,13 +443,13 @@ def memory_main(source: Source, bucket_mb: int, mode: str, out: Any) -> None:
             _stop([proc], done)
 
 
-def memory(source: Source, bucket_mb: int, mode: str) -> dict[str, Any]:
+def memory(source: Source, bucket_mb: int, mode: str, receive: str) -> dict[str, Any]:
     """Each side's (peak, held) extra MiB over the versions, in processes of their own, and
     the learner iterator's own peak."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # Not a daemon: it starts the receiver process.
-    proc = ctx.Process(target=memory_main, args=(source, bucket_mb, mode, out))
+    proc = ctx.Process(target=memory_main, args=(source, bucket_mb, mode, receive, out))
     proc.start()
     try:
         return out.get(timeout=600)
@@ -450,40 +478,60 @@ def report_throughput(source: Source, state: dict[str, torch.Tensor],
     return results
 
 
-def report_pause(source: Source, swaps: int) -> list[str]:
-    p = pause(source, swaps)
-    ratios = [s / r for s, r in zip(p["pauses"], p["reloads"], strict=True)][1:]
-    print(f"pause (vLLM replica, {p['params_m']:.1f}M params, swaps after the first): "
-          "not sampling " + ", ".join(f"{s:.3f}" for s in p["pauses"][1:]) + " s; the "
-          "engine's own reload " + ", ".join(f"{r:.3f}" for r in p["reloads"][1:]) + " s; "
-          f"largest gap between finished requests {p['max_gap_swap_s']:.3f} s around a swap "
-          f"vs {p['max_gap_calm_s']:.3f} s without; one plain copy of the weights "
-          f"{p['copy_s']:.3f} s")
-    return [result_line(source.named("replica_pause_vs_reload"), statistics.median(ratios),
-                        "<=", 1.2)]
+def report_pause(source: Source, swaps: int, receives: tuple[str, ...]) -> list[str]:
+    """Per receive mode, the pauses; the staged replica's reloads are the baseline of both
+    (a streamed swap's transfer and load overlap, so its reload alone is not measured)."""
+    results, reloads = [], []
+    for receive in receives:
+        p = pause(source, swaps, receive)
+        if receive == "staged":
+            reloads = p["reloads"][1:]
+        print(f"pause, {receive} (vLLM replica, {p['params_m']:.1f}M params, swaps after the "
+              "first): not sampling " + ", ".join(f"{s:.3f}" for s in p["pauses"][1:]) + " s; "
+              "the engine's own reload " + ", ".join(f"{r:.3f}" for r in reloads) + " s; "
+              f"largest gap between finished requests {p['max_gap_swap_s']:.3f} s around a "
+              f"swap vs {p['max_gap_calm_s']:.3f} s without; one plain copy of the weights "
+              f"{p['copy_s']:.3f} s")
+        if p["wires"]:
+            print("  of which receiving (the rest loading): "
+                  + ", ".join(f"{w:.3f}" for w in p["wires"][1:]) + " s")
+        if not reloads:
+            print("(no staged run: no reload to compare the streamed pause with)")
+            continue
+        name = "replica_pause_vs_reload" if receive == "staged" else \
+            "replica_pause_streamed_vs_reload"
+        results.append(result_line(source.named(name), statistics.median(p["pauses"][1:])
+                                   / statistics.median(reloads), "<=", 1.2))
+    return results
 
 
-def report_memory(source: Source, model_mib: float) -> list[str]:
+def report_memory(source: Source, model_mib: float, receives: tuple[str, ...]) -> list[str]:
     print(f"peak extra memory per side over {MEMORY_VERSIONS} versions (resident-set high-water "
           "mark minus the resident set before the first; the publisher's less the learner "
           "iterator's own peak, in the last column; held after them in brackets): MiB, "
           f"buckets, copies of the model ({model_mib:.0f} MiB)")
-    print(f"{'bucket':>6} {'mode':>8} | {'publisher':>36} | {'receiver':>36} | learner")
+    print(f"{'bucket':>6} {'mode':>8} {'receive':>8} | {'publisher':>36} | {'receiver':>36} | "
+          "learner")
     results = []
     for mb in BUCKETS_MB:
-        receiver_peak = 0.0
+        receiver_peak = dict.fromkeys(receives, 0.0)
         for mode in MEMORY_MODES:
-            sides = memory(source, mb, mode)
-            cells = [f"{peak:6.0f} ({held:6.0f}) = {peak / mb:5.2f} b = {peak / model_mib:4.2f} m"
-                     for peak, held in (sides["publisher"], sides["receiver"])]
-            print(f"{mb:>3} MB {mode:>8} | {cells[0]:>36} | {cells[1]:>36} | "
-                  f"{sides['learner']:4.0f}")
-            results.append(result_line(
-                source.named(f"weight_bus_publisher_extra_buckets_{mode}_{mb}mb"),
-                sides["publisher"][0] / mb, "<=", 1))
-            receiver_peak = max(receiver_peak, sides["receiver"][0])
-        results.append(result_line(source.named(f"weight_bus_receiver_extra_buckets_{mb}mb"),
-                                   receiver_peak / mb, "<=", 1))
+            for receive in receives:
+                sides = memory(source, mb, mode, receive)
+                cells = [f"{peak:6.0f} ({held:6.0f}) = {peak / mb:5.2f} b = "
+                         f"{peak / model_mib:4.2f} m"
+                         for peak, held in (sides["publisher"], sides["receiver"])]
+                print(f"{mb:>3} MB {mode:>8} {receive:>8} | {cells[0]:>36} | {cells[1]:>36} | "
+                      f"{sides['learner']:4.0f}")
+                if receive == receives[0]:  # the publisher's side is the same either way
+                    results.append(result_line(
+                        source.named(f"weight_bus_publisher_extra_buckets_{mode}_{mb}mb"),
+                        sides["publisher"][0] / mb, "<=", 1))
+                receiver_peak[receive] = max(receiver_peak[receive], sides["receiver"][0])
+        for receive, peak in receiver_peak.items():
+            kind = "receiver" if receive == "staged" else "receiver_streamed"
+            results.append(result_line(source.named(f"weight_bus_{kind}_extra_buckets_{mb}mb"),
+                                       peak / mb, "<=", 1))
     return results
 
 
@@ -494,6 +542,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--trials", type=int, help="default: 15 synthetic, 5 smollm2")
     parser.add_argument("--swaps", type=int, default=4)
+    parser.add_argument("--receive", choices=("staged", "streamed", "both"), default="both",
+                        help="the replica's weight_bus.receive in the pause and memory sections")
+    parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-pause", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
@@ -506,11 +557,12 @@ def main() -> None:
     print(f"state dict: {what}{sum(t.numel() for t in state.values()) / 1e6:.0f}M "
           f"{args.dtype} params = {mib:.0f} MiB; {trials} interleaved trials per row (medians); "
           "MiB/s and s/GB, and publish/raw in brackets")
-    results = report_throughput(source, state, trials)
+    receives = ("staged", "streamed") if args.receive == "both" else (args.receive,)
+    results = [] if args.skip_throughput else report_throughput(source, state, trials)
     if not args.skip_pause:
-        results += report_pause(source, args.swaps)
+        results += report_pause(source, args.swaps, receives)
     if args.model == "smollm2" and not args.skip_memory:
-        results += report_memory(source, mib)
+        results += report_memory(source, mib, receives)
     print("\n".join(results))
 
 

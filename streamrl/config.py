@@ -772,7 +772,15 @@ class WeightBusConfig:
     rolling: a replica pauses only itself to swap, and at most ``rolling_k`` replicas swap at
     once, so the rest of the fleet keeps sampling through a publish."""
     rolling_k: int = 1
-    """With update_policy=rolling: how many replicas may be mid-swap at the same time."""
+    """With update_policy=rolling: how many replicas may be mid-swap at the same time (one with
+    no request in flight swaps without waiting: pausing it stops no sampling)."""
+    receive: str = "staged"
+    """staged | streamed: how a replica receives a version (docs/architecture.md, weight bus).
+    staged: whole into buffers kept between versions (one model copy per replica) while it
+    samples on, then a pause for the load alone. streamed: the replica pauses first, then
+    receives bucket by bucket straight into its engine (one bucket held): the pause is the
+    transfer plus the load, and every replica pauses for the broadcast at once (no rolling).
+    Needs rollout.backend=vllm and full-weight publishes."""
     master_addr: str | None = None
     """Where learner rank 0 binds the bus (ZMQ control, TCPStore). None: loopback on a
     single-node run (runtime.address null), else the Ray node IP of rank 0's node."""
@@ -783,6 +791,16 @@ class WeightBusConfig:
         _check_choice("weight_bus.backend", self.backend, ("collective", "colocated"))
         _check_choice("weight_bus.update_policy", self.update_policy, UPDATE_POLICIES)
         _check_positive(self, "weight_bus", "bucket_mb", "timeout_s", "sync_every", "rolling_k")
+        _check_choice("weight_bus.receive", self.receive, ("staged", "streamed"))
+        if self.receive == "streamed" and self.backend != "collective":
+            _fail("weight_bus.receive", self.receive, "needs weight_bus.backend=collective "
+                  "(colocated engines load the learner's tensors in place: nothing is received)")
+        if self.receive == "streamed" and self.update_policy == "rolling":
+            # Every replica takes part in the one broadcast: one waiting for a swap token held
+            # by another would stall the broadcast that other is receiving.
+            _fail("weight_bus.update_policy", self.update_policy,
+                  "contradicts weight_bus.receive=streamed, where every replica pauses for the "
+                  "same broadcast: use pause or abort, or weight_bus.receive=staged")
         if self.update_policy == "rolling" and self.backend == "colocated":
             # Each hybrid rank loads while every rank gathers in lockstep: one waiting for a
             # token held by another would stall the gather that other's load consumes.
@@ -1039,7 +1057,21 @@ def validate(cfg: Config) -> Config:
     _check_lengths(cfg)
     _check_colocated(cfg)
     cfg.actor.lora.check_publish(cfg.rollout.backend, cfg.weight_bus.backend)
+    _check_streamed_receive(cfg)
     return cfg
+
+
+def _check_streamed_receive(cfg: Config) -> None:
+    """``weight_bus.receive=streamed`` hands each weight to the engine's load as it arrives:
+    only vLLM's loads copy each before taking the next and stay paused after a partial one."""
+    if cfg.weight_bus.receive != "streamed":
+        return
+    if cfg.rollout.backend != "vllm":
+        _fail("weight_bus.receive", "streamed", f"needs rollout.backend=vllm, not "
+              f"{cfg.rollout.backend}: use weight_bus.receive=staged")
+    if cfg.actor.lora.publishes_adapter(cfg.rollout.backend, cfg.weight_bus.backend):
+        _fail("weight_bus.receive", "streamed", "needs full-weight publishes: a LoRA adapter is "
+              "added without a pause (set actor.lora.publish=merged, or receive=staged)")
 
 
 def _check_mode(cfg: Config) -> None:

@@ -8,9 +8,9 @@ transformers and in vLLM. Also exposed as ``streamrl data tiny-model --out DIR``
 
 Also what tests and benchmarks share: the one Group/Trajectory factory (``make_trajectory``,
 ``make_group`` with chosen versions, ``random_groups`` with ragged random tokens),
-``redis_server`` (a real redis-server on a free loopback port), ``ResidentMemory`` (this
-process's resident set and its high-water mark, Linux) and ``result_line`` (the ``RESULT``
-line every benchmark ends with).
+``redis_server`` (a real redis-server on a free loopback port), ``CountingEngine`` (a real
+engine counting the tokens it samples), ``ResidentMemory`` (this process's resident set and its
+high-water mark, Linux) and ``result_line`` (the ``RESULT`` line every benchmark ends with).
 """
 
 from __future__ import annotations
@@ -263,6 +263,23 @@ def redis_server(workdir: str | os.PathLike[str]) -> Iterator[str]:
     finally:
         with contextlib.suppress(redis.ConnectionError):  # shutdown drops its own connection
             client.shutdown(nosave=True)
+
+
+class CountingEngine:
+    """A real rollout engine, counting every token it samples (aborted returns included): what
+    tests and benchmarks of resumed partials compare with the tokens kept."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.sampled = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        out = await self._engine.generate(prompt_ids, params, request_id)
+        self.sampled += sum(len(c.token_ids) for c in out)
+        return out
 
 
 class ResidentMemory:

@@ -12,10 +12,13 @@ ack, set_version, rebase, release, stats), ``ReplayBuffer`` (both: what a backen
 
 Let B = groups per training step, eta = max staleness, V = learner version. A replica may
 *start* a group only while ``started < (V + eta + 1) * B``: admission control bounds staleness
-without dropping slow rollouts. ``take`` additionally never returns a group older than eta;
-such a group is dropped and its admission slot returned, so admission never deadlocks. Nor
-does it return a group with a token newer than V: such a group is refused (logged with who put
-it, counted, slot returned).
+without dropping slow rollouts, as long as the learner takes groups in about the order they
+were started. ``take`` additionally never returns a group older than eta; such a group is
+dropped and its admission slot returned, so admission never deadlocks. Nor does it return a
+group with a token newer than V: such a group is refused (logged with who put it, counted,
+slot returned). A group still in flight while the learner takes newer ones (a slow group, or
+one whose replica waited for its turn to swap while another sampled) can age past eta: the
+bound limits how many groups are out, not the order they are taken in.
 
 Accounting every backend keeps (checked by tests/buffer/test_admission_property.py)::
 
@@ -141,7 +144,8 @@ class BufferStats:
     in_flight: int = 0
     """Groups admitted (started) but not yet put."""
     dropped: int = 0
-    """Groups found older than the bound at take time (should stay 0 under admission)."""
+    """Groups found older than the bound at take time: overtaken while in flight (see the
+    module docstring)."""
     refused: int = 0
     """Groups refused at take time for a version newer than the learner's
     (``newer_than_learner``); their slots are given back."""

@@ -35,7 +35,9 @@ How the contract maps onto vLLM 0.32:
 * Atomic swap: ``pause_generation(mode="keep")`` (in-flight requests freeze between steps) ->
   load in the worker -> reset the prefix cache, preempting running requests so their KV cache
   is recomputed with the new weights -> set the version label -> resume. No token is sampled
-  from half-loaded weights, and tokens after the swap are exactly the new policy's.
+  from half-loaded weights, and tokens after the swap are exactly the new policy's. A load
+  that fails (a streamed weight-bus receive that broke off midway, say) leaves the engine
+  paused until a later one loads a whole version.
 * Loading: on CPU a plain ``load_weights`` silently does nothing (CPU linears keep only
   pre-packed copies, DESIGN.md §11): ``cpu_reload.reload_in_place`` loads and re-packs them,
   and models it does not handle go through vLLM's ``model_runner.reload_weights``. On GPU the
@@ -471,6 +473,11 @@ def completions(streams: list[SampleStream], greedy_copies: int, request_id: str
 class VLLMEngine(RolloutEngine):
     """A vLLM ``AsyncLLM`` serving one policy version at a time (see the module docstring)."""
 
+    streamed_load = True
+    """A weight-bus version may be received bucket by bucket inside ``load_weights_with``
+    (``weight_bus.receive=streamed``): the worker's load copies each weight as it arrives, and
+    a load that fails leaves the engine paused."""
+
     def __init__(
         self,
         model_path: str,
@@ -493,6 +500,7 @@ class VLLMEngine(RolloutEngine):
         self._adapter_config = {} if lora is None else lora.adapter_config()
         self._label_set = False
         self._paused = False
+        self._torn = False  # a load failed partway: paused until a whole version is loaded
         self._swap_lock = asyncio.Lock()
         self._closed = False
         self._live: set[str] = set()  # request ids in flight
@@ -591,7 +599,9 @@ class VLLMEngine(RolloutEngine):
             self._paused = True
 
     async def resume(self) -> None:
-        if self._paused:
+        """Continue sampling, unless a load failed partway (``load_weights_with``): the engine
+        then stays paused until a whole version is loaded."""
+        if self._paused and not self._torn:
             await self._llm.resume_generation()
             self._paused = False
 
@@ -652,17 +662,27 @@ class VLLMEngine(RolloutEngine):
         ``fn`` loads the new weights (e.g. received from the weight bus) through
         ``load_into_worker``. Requests in flight stay frozen during the swap and continue on the
         new weights; their KV cache is recomputed so later tokens are exactly the new policy's.
+        If ``fn`` raises, the model may hold part of the new weights (a streamed receive that
+        broke off, a load that failed midway): the engine stays paused, whoever resumes it,
+        until a later call loads a whole version.
         """
         async with self._swap_lock:
-            was_paused = self._paused
+            was_paused = self._paused and not self._torn  # a caller's pause, not a failed load's
             await self.pause()
             try:
-                results = await self.collective_rpc(fn, args)
+                try:
+                    results = await self.collective_rpc(fn, args)
+                except BaseException:
+                    self._torn = True
+                    logger.error("weight load for version %d failed: the model may hold part "
+                                 "of it, so the engine stays paused (at version %d) until a "
+                                 "whole version is loaded", version, self._version)
+                    raise
                 # Preempt running requests: their KV cache (old weights) is recomputed on resume.
                 if not await self._llm.reset_prefix_cache(reset_running_requests=True):
                     raise RuntimeError("vLLM refused to reset its prefix cache after a swap")
                 await self._llm.update_weight_version(str(version))
-                self._version, self._label_set = version, True
+                self._version, self._label_set, self._torn = version, True, False
             finally:
                 if not was_paused:
                     await self.resume()

@@ -12,9 +12,11 @@ How it works:
   construction: no step runs while weights change.
 - ``load_weights`` runs ``load_into_worker`` in the worker with the caller's iterator (the
   learner's gathered parameters, one at a time: on GPU no second full copy is ever built; on
-  CPU the packed linears load through full-size weights, see ``cpu_reload``), then resets
-  the prefix cache (running requests recompute their KV with the new weights) and relabels the
-  weight version, so per-token version spans stay exact.
+  CPU the packed linears load through full-size weights, see ``cpu_reload``; or a weight-bus
+  version received bucket by bucket as it is iterated, ``weight_bus.receive=streamed``), then
+  resets the prefix cache (running requests recompute their KV with the new weights) and
+  relabels the weight version, so per-token version spans stay exact. An iterator that raises
+  after its first weight leaves the engine paused until a later load takes a whole version.
 - The engine is built on the engine thread, after the learner joined torch.distributed: vLLM
   then adopts that world and gives each rank a tensor-parallel group of its own (vLLM's
   "external data parallel" layout), which is why every hybrid rank must build its engine at the
@@ -75,6 +77,11 @@ class _Request:
 class InprocVLLMEngine(RolloutEngine):
     """A vLLM ``LLMEngine`` in this process, stepped by its own thread (module docstring)."""
 
+    streamed_load = True
+    """``load_weights`` copies each weight into the model before taking the next, and stays
+    paused after a partial load: ``weight_bus.receive=streamed`` may hand it weights as they
+    arrive (``weight_bus.make_receiver``)."""
+
     def __init__(self, model_path: str, rollout: RolloutConfig, *,
                  tokenizer_path: str | None = None, version: int = 0, threads: int = 1,
                  lora: LoraConfig | None = None) -> None:
@@ -86,6 +93,7 @@ class InprocVLLMEngine(RolloutEngine):
         self._adapters = None if lora is None else AdapterVersions(version)
         self._adapter_config = {} if lora is None else lora.adapter_config()
         self._paused = False
+        self._torn = False  # a load failed partway: paused until a whole version is loaded
         self._closed = False
         self._error: BaseException | None = None
         self._live: dict[str, _Request] = {}
@@ -256,7 +264,9 @@ class InprocVLLMEngine(RolloutEngine):
         await self._call(lambda: setattr(self, "_paused", True))
 
     async def resume(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", False))
+        """Step again, unless a load failed partway (``_swap``): then not until a whole version
+        is loaded."""
+        await self._call(lambda: setattr(self, "_paused", self._torn))
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int
                            ) -> None:
@@ -289,7 +299,16 @@ class InprocVLLMEngine(RolloutEngine):
                 counted[0] += 1
                 yield pair
 
-        self._llm.collective_rpc(load_into_worker, args=(count(weights),))
+        try:
+            self._llm.collective_rpc(load_into_worker, args=(count(weights),))
+        except BaseException:
+            if counted[0]:  # the model may hold part of the version (a streamed receive broke
+                # off, a load failed midway): no step until a whole version is loaded
+                self._torn = self._paused = True
+                logger.error("weight load for version %d failed partway: the engine stays "
+                             "paused (at version %d) until a whole version is loaded",
+                             version, self._version)
+            raise
         if not counted[0]:
             raise ValueError(f"load_weights(version={version}): no weights given")
         # Running requests are preempted: their KV cache (old weights) is recomputed.
@@ -297,6 +316,8 @@ class InprocVLLMEngine(RolloutEngine):
             raise RuntimeError("vLLM refused to reset its prefix cache after a swap")
         self._llm.set_weight_version(str(version))
         self._version = version
+        if self._torn:  # whole again: the pause was the failed load's, not a caller's
+            self._torn = self._paused = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -142,8 +142,8 @@ class LearnerActor:
                 "weight_bus/previous_load_wait_s": loads_s}
 
     def behind(self, version: int) -> list[str]:
-        """The replicas a ``catch_up(version)`` would serve (rank 0's answer counts; none once
-        the learner's weights have moved on from the published ``version``)."""
+        """The replicas a ``catch_up(version)`` would serve: asked of rank 0 alone, which holds
+        the publisher (none once the learner's weights have moved on from ``version``)."""
         if self.publisher is None or self.publisher.version != version:
             return []
         return self.publisher.behind()

@@ -51,7 +51,15 @@ class LearnerGroup:
     def _all(self, method: str, *args: Any) -> Any:
         """Rank 0's answer. A rank that dies stops the run at once, naming it: the other ranks
         would wait in a collective for it until their own timeout."""
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self._ranks(method, self.actors, *args)
+
+    def _rank0(self, method: str, *args: Any) -> Any:
+        """Rank 0 alone, for what only it knows (the weight bus's receivers): no collective,
+        so the other ranks are not woken."""
+        return self._ranks(method, self.actors[:1], *args)
+
+    def _ranks(self, method: str, actors: list[Any], *args: Any) -> Any:
+        refs = [getattr(a, method).remote(*args) for a in actors]
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -101,8 +109,9 @@ class WeightBus:
 
     def catch_up(self, version: int) -> None:
         """Re-send ``version`` (the learner's current weights) to the replicas behind it, if
-        any: the ranks gather only then (rank 0 answers whether any is)."""
-        if self.learner._all("behind", version):
+        any. Asked every take slice: rank 0 alone answers whether any is (only it knows the
+        receivers); all ranks gather only when one is."""
+        if self.learner._rank0("behind", version):
             self.learner._all("catch_up", version)
 
 

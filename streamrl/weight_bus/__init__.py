@@ -113,6 +113,11 @@ def make_receiver(
     land in this process (``CollectiveReceiver``). Either way each version goes to ``sink`` whole
     (for SGLang and vLLM as staged weights with ``load_into(engine, version)``). ``kwargs`` go to
     the receiver (``loop``; ``tp_size`` for SGLang).
+
+    ``cfg.receive="streamed"``: the sink gets each version before it is received and its load
+    receives it bucket by bucket (``CollectiveReceiver``): only for an engine that declares
+    ``streamed_load`` (``VLLMEngine``, in its worker; ``InprocVLLMEngine``, here). Adapter
+    versions are not told apart then (config.py refuses adapter publishes with it).
     """
     if cfg.backend == "colocated":
         raise ValueError("weight_bus.backend='colocated' has no receiver: the learner hands "
@@ -123,6 +128,14 @@ def make_receiver(
     from streamrl.weight_bus.collective import CollectiveReceiver
 
     cls = receiver_class(engine)
+    if cfg.receive == "streamed":
+        if not getattr(engine, "streamed_load", False):
+            raise ValueError(f"weight_bus.receive='streamed': needs a vLLM engine, whose load "
+                             f"copies each weight as it arrives; got {type(engine).__name__}")
+        kwargs["receive"] = "streamed"
+        if cls is CollectiveReceiver:  # every weight straight to the engine's load
+            return CollectiveReceiver(endpoint, sink, receiver_id=receiver_id,
+                                      timeout_s=cfg.timeout_s, **kwargs)
     if cls is CollectiveReceiver:
         from streamrl.weight_bus.adapter import hot_adapters
 

@@ -21,6 +21,12 @@ Parts:
 - ``StagedAdapter``: the same for a LoRA adapter's tensors (``actor.lora.publish=adapter``):
   ``hot`` (a replica adds it without pausing or draining), and ``load_into`` registers it as
   the engine's new version (``engine.add_adapter_with(commit_adapter, ...)``), in memory.
+- ``StreamedWeights`` (``weight_bus.receive=streamed``): what the sink receives instead, before
+  anything is received: ``await load_into(engine, version)`` runs ``receive_streamed`` in the
+  worker through ``engine.load_weights_with``, which receives the version bucket by bucket
+  into one buffer (``LocalLanding.stream``) and hands each weight to ``load_into_worker`` as it
+  arrives, so the worker holds one bucket, not a model, and the engine pauses for the
+  transfer and the load. ``drain_streamed`` receives a re-send without loading it.
 - ``VLLMReceiver``: ``CollectiveReceiver`` with this landing; its default sink is ``load_into``.
 
 One worker per engine (tensor_parallel_size=1): the worker is one rank of the weight group.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -146,6 +153,29 @@ def commit_adapter(worker: Any, publish_id: str, lora_id: int, config: dict[str,
     return time.perf_counter() - start
 
 
+def receive_streamed(worker: Any, payload: bytes) -> tuple[bytes, float]:
+    """Receive an announced version bucket by bucket straight into the worker's model (the
+    engine is paused: ``StreamedWeights.load_into``); returns its manifest, msgpack-encoded,
+    and the seconds spent receiving (the rest of the call loaded)."""
+    from streamrl.rollout_fleet.vllm_engine import load_into_worker
+
+    incoming = _LANDING.stream(decode(payload, Announce))
+    try:
+        load_into_worker(worker, incoming)
+    except BaseException:
+        with contextlib.suppress(WeightBusError):
+            incoming.finish()  # leaves the generation: its receives are out of step now
+        raise
+    # Raises if the load did not take the version whole.
+    return encode(incoming.finish()), incoming.wire_s
+
+
+def drain_streamed(worker: Any, payload: bytes) -> bytes:
+    """Receive an announced version and load nothing (a re-send); returns its manifest."""
+    del worker
+    return encode(_LANDING.stream(decode(payload, Announce)).drain())
+
+
 def discard_staged(worker: Any, publish_id: str) -> bool:
     del worker
     return _STAGES.pop(publish_id, None) is not None
@@ -182,6 +212,35 @@ class StagedAdapter(StagedWeights):
         await engine.add_adapter_with(commit_adapter, (self.publish_id,), version)
 
 
+class StreamedWeights:
+    """A version announced to the vLLM worker and not received yet (``receive="streamed"``):
+    ``load_into`` receives it bucket by bucket straight into the model while the engine is
+    paused (``engine.load_weights_with``), so the pause is the transfer plus the load."""
+
+    def __init__(self, landing: VLLMWorkerLanding, announce: Announce) -> None:
+        self.landing, self.announce = landing, announce
+        self._manifest: WeightManifest | None = None
+        self.wire_s = 0.0
+        """Of the load, the seconds its worker spent receiving (set by ``load_into``)."""
+
+    async def load_into(self, engine: Any, version: int) -> None:
+        [(manifest, self.wire_s)] = await engine.load_weights_with(
+            receive_streamed, (encode(self.announce),), version)
+        self._manifest = decode(manifest, WeightManifest)
+
+    def drain(self) -> WeightManifest:
+        [manifest] = self.landing._rpc(drain_streamed, (encode(self.announce),),
+                                       f"drain_streamed (version {self.announce.version})",
+                                       self.landing.timeout_s * 4)
+        return decode(manifest, WeightManifest)
+
+    def finish(self) -> WeightManifest:
+        if self._manifest is None:
+            raise WeightBusError(f"weight bus: version {self.announce.version} was not "
+                                 "received whole into the vLLM worker")
+        return self._manifest
+
+
 def staged(publish_id: str, manifest: WeightManifest) -> StagedWeights:
     from streamrl.rollout_fleet.vllm_engine import is_adapter
 
@@ -201,13 +260,16 @@ class VLLMWorkerLanding:
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def _rpc(self, fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> list[Any]:
-        """``fn`` in the worker, waiting at most ``timeout_s`` (one engine step, normally)."""
+    def _rpc(self, fn: Callable[..., Any], args: tuple[Any, ...], what: str,
+             timeout: float | None = None) -> list[Any]:
+        """``fn`` in the worker, waiting at most ``timeout`` (default ``timeout_s``: one engine
+        step, normally)."""
+        timeout = timeout or self.timeout_s
         try:
-            return list(self._run(self.engine.collective_rpc(fn, args), self.timeout_s))
+            return list(self._run(self.engine.collective_rpc(fn, args), timeout))
         except concurrent.futures.TimeoutError:
             raise WeightBusTimeout(f"weight bus: the vLLM engine did not run {what} within "
-                                   f"{self.timeout_s:g} s") from None
+                                   f"{timeout:g} s") from None
 
     def _stager(self) -> zmq.Socket:
         if self._sock is None:
@@ -262,6 +324,9 @@ class VLLMWorkerLanding:
             raise WeightBusError(f"weight bus: the vLLM engine died while its worker was "
                                  f"receiving version {announce.version}")
 
+    def stream(self, announce: Announce) -> StreamedWeights:
+        return StreamedWeights(self, announce)
+
     def discard(self, announce: Announce) -> None:
         self._rpc(discard_staged, (announce.publish_id,),
                   f"discard_staged (version {announce.version})")
@@ -279,9 +344,9 @@ class VLLMWorkerLanding:
 class VLLMReceiver(CollectiveReceiver):
     """Weight receiver for a ``VLLMEngine``: buckets go straight into its worker.
 
-    ``sink`` receives ``(StagedWeights, version)``; the default loads through
-    ``StagedWeights.load_into(engine, version)``. Construct it inside the engine's event loop
-    (or pass ``loop``): the worker functions are driven on that loop.
+    ``sink`` receives ``(StagedWeights, version)`` (``receive="streamed"``: ``StreamedWeights``);
+    the default loads through ``weights.load_into(engine, version)``. Construct it inside the
+    engine's event loop (or pass ``loop``): the worker functions are driven on that loop.
     """
 
     def __init__(
@@ -293,6 +358,7 @@ class VLLMReceiver(CollectiveReceiver):
         receiver_id: str | None = None,
         timeout_s: float = 60.0,
         loop: asyncio.AbstractEventLoop | None = None,
+        receive: str = "staged",
     ) -> None:
         if loop is None:
             try:
@@ -307,5 +373,5 @@ class VLLMReceiver(CollectiveReceiver):
 
         super().__init__(
             endpoint, sink or load, receiver_id=receiver_id, timeout_s=timeout_s, loop=loop,
-            landing=VLLMWorkerLanding(engine, loop, timeout_s),
+            landing=VLLMWorkerLanding(engine, loop, timeout_s), receive=receive,
         )

@@ -26,6 +26,7 @@ from streamrl.rollout_fleet.partials import (
     RedisPartialStore,
 )
 from streamrl.rollout_fleet.replica import Replica
+from streamrl.testing import CountingEngine
 from tests.support.rollout import ListBuffer, ToyScorer, wait_until
 
 pytestmark = pytest.mark.vllm
@@ -34,22 +35,6 @@ pytest.importorskip("vllm")
 
 LONG_PROMPT = [25, 31, 25, 31]  # "7=7=": its greedy continuation runs for hundreds of tokens
 BUDGET = 300
-
-
-class CountingEngine:
-    """The real engine, counting the tokens it samples (aborted returns included)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.sampled = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def generate(self, prompt_ids, params, request_id):
-        out = await self._engine.generate(prompt_ids, params, request_id)
-        self.sampled += sum(len(c.token_ids) for c in out)
-        return out
 
 
 def long_stream(cursor: int = 0) -> PromptStream:

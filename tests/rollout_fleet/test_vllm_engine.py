@@ -112,6 +112,20 @@ def worker_staging_bytes(worker, payload) -> dict[str, int]:
             "reported_peak": cpu_reload.LAST_RELOAD.peak * itemsize}
 
 
+def worker_load_part_then_fail(worker, payload) -> None:
+    """Runs inside the vLLM worker: loads the first half of ``payload``, then fails, as a
+    streamed weight-bus receive that breaks off midway does."""
+    from streamrl.rollout_fleet.vllm_engine import _tensor, load_into_worker
+
+    load_into_worker(worker, _broken_off([(name, _tensor(raw, dtype, shape))
+                                          for name, dtype, shape, raw in payload]))
+
+
+def _broken_off(weights):
+    yield from weights[: len(weights) // 2]
+    raise RuntimeError("the transfer broke off")
+
+
 @pytest.fixture(scope="module", params=["asyncllm", "inproc"])
 def engine(request, tiny_model_dir, loop):
     """Each test runs on both engines (closed after their tests)."""
@@ -433,6 +447,38 @@ def test_in_place_reload_packs_only_completed_layers(engine, loop, hf_model, res
     assert dropped[partial] == seven["packed"][partial] != eight["packed"][partial]
     assert {name: value for name, value in dropped.items() if name != partial} == \
         {name: value for name, value in eight["packed"].items() if name != partial}
+
+
+def test_a_load_that_breaks_off_keeps_the_engine_paused_until_a_whole_one(engine, loop,
+                                                                         hf_model):
+    """Half of a version in the model, then the load fails: no token is sampled from that mix,
+    whoever resumes, until a whole version is loaded; then tokens carry that version."""
+    from streamrl.rollout_fleet.vllm_engine import to_payload
+
+    weights = list(_other_model(hf_model, seed=9).named_parameters())
+    version = engine.version
+    if hasattr(engine, "collective_rpc"):
+        failing = engine.load_weights_with(worker_load_part_then_fail, (to_payload(weights),),
+                                           version + 1)
+    else:
+        failing = engine.load_weights(_broken_off([(n, p.detach()) for n, p in weights]),
+                                      version + 1)
+    with pytest.raises(Exception, match="the transfer broke off"):
+        loop.run_until_complete(failing)
+    assert engine.version == version
+
+    async def held_then_whole():
+        task = asyncio.ensure_future(engine.generate(
+            PROMPT, SamplingParams(temperature=0.0, max_tokens=4), "held"))
+        await asyncio.sleep(0.5)
+        await engine.resume()  # a caller's resume (the replica's, after its swap) is refused
+        await asyncio.sleep(0.5)
+        assert not task.done() and engine.num_tokens("held") == 0
+        await engine.load_weights(hf_model.state_dict().items(), version + 2)
+        return await asyncio.wait_for(task, 60)
+
+    [done] = loop.run_until_complete(held_then_whole())
+    assert done.versions == [version + 2] * len(done.token_ids) and done.token_ids
 
 
 def test_load_weights_rejects_empty(engine, loop):

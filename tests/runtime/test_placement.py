@@ -1,4 +1,5 @@
-"""Ray placement on a cluster with GPUs, and the fleet's bounded validation.
+"""Ray placement on a cluster with GPUs, the fleet's bounded validation, and the weight bus's
+catch-up poll (rank 0 alone, every rank only for a re-send).
 
 Ray counts GPUs as a resource: a local cluster started with ``num_gpus=2`` on this CPU machine
 places bundles and actors exactly as a GPU node would (CUDA_VISIBLE_DEVICES per actor), so the
@@ -15,7 +16,7 @@ import pytest
 import ray
 
 from streamrl.config import Config, replace
-from streamrl.runtime.handles import Fleet
+from streamrl.runtime.handles import Fleet, LearnerGroup, WeightBus
 from streamrl.runtime.placement import gpus_per, in_bundle, reserve_pools
 from streamrl.runtime.supervisor import Member
 
@@ -75,3 +76,35 @@ def test_a_validation_that_overruns_is_cancelled_with_a_warning(
     assert time.monotonic() - start < 10
     assert "validation on replica-0 did not finish within trainer.val_timeout_s=1 s" in caplog.text
     ray.kill(actor)
+
+
+@ray.remote
+class _Rank:
+    """A learner rank's catch-up methods, recording the calls it gets; rank 0 holds the
+    publisher and so answers ``behind``."""
+
+    def __init__(self, behind: list[str]) -> None:
+        self._behind = behind
+        self.calls: list[str] = []
+
+    def behind(self, version: int) -> list[str]:
+        self.calls.append(f"behind {version}")
+        return self._behind
+
+    def catch_up(self, version: int) -> None:
+        self.calls.append(f"catch_up {version}")
+
+    def seen(self) -> list[str]:
+        return self.calls
+
+
+@pytest.mark.parametrize("behind", [[], ["replica-1"]])
+def test_the_catch_up_poll_asks_rank_0_alone(ray_with_gpus: None, behind: list[str]) -> None:
+    # The controller polls every take slice: the other ranks are woken only for a re-send,
+    # which every rank's gather takes part in.
+    ranks = [_Rank.options(num_cpus=0).remote(behind), _Rank.options(num_cpus=0).remote([])]
+    WeightBus(LearnerGroup(ranks)).catch_up(3)
+    resend = ["catch_up 3"] if behind else []
+    assert ray.get([r.seen.remote() for r in ranks]) == [["behind 3", *resend], resend]
+    for rank in ranks:
+        ray.kill(rank)

@@ -39,10 +39,11 @@ def digest(named: Any) -> dict[str, str]:
 
 
 def receiver_main(endpoint: str, receiver_id: str, timeout_s: float, reports: Any,
-                  unstuck: Any = None) -> None:
+                  unstuck: Any = None, receive: str = "staged") -> None:
     """A spawned receiver process: reports (id, pid, version, digest) for each loaded version.
     With ``unstuck`` (an mp.Event) its loading hangs until the event is set, as an engine that
-    hangs would: heartbeats go on, announcements are not taken."""
+    hangs would: heartbeats go on, announcements are not taken. ``receive``: the receiver's
+    mode (``streamed``: the digest hashes each weight as it is received)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     from streamrl.weight_bus.collective import CollectiveReceiver
@@ -52,7 +53,8 @@ def receiver_main(endpoint: str, receiver_id: str, timeout_s: float, reports: An
             unstuck.wait()
         reports.put((receiver_id, os.getpid(), version, digest(weights)))
 
-    receiver = CollectiveReceiver(endpoint, sink, receiver_id=receiver_id, timeout_s=timeout_s)
+    receiver = CollectiveReceiver(endpoint, sink, receiver_id=receiver_id, timeout_s=timeout_s,
+                                  receive=receive)
     reports.put((receiver_id, os.getpid(), "ready", {}))
     time.sleep(300)  # the test terminates this process (an mp.Event would not survive SIGKILL)
     receiver.close()
@@ -83,8 +85,9 @@ def second_model(model_dir: str, seed: int) -> tuple[dict[str, torch.Tensor], li
 
 
 def engine_main(model_dir: str, endpoint: str, timeout_s: float, commands: Any,
-                replies: Any) -> None:
-    """A spawned replica process: a VLLMEngine fed by a VLLMReceiver, driven by commands."""
+                replies: Any, receive: str = "staged") -> None:
+    """A spawned replica process: a VLLMEngine fed by a VLLMReceiver (``receive``: its mode),
+    driven by commands."""
     import asyncio
 
     os.environ.update({"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -96,7 +99,8 @@ def engine_main(model_dir: str, endpoint: str, timeout_s: float, commands: Any,
 
     async def main() -> None:
         engine = VLLMEngine(model_dir, RolloutConfig(max_model_len=256))
-        receiver = VLLMReceiver(endpoint, engine, receiver_id="vllm", timeout_s=timeout_s)
+        receiver = VLLMReceiver(endpoint, engine, receiver_id="vllm", timeout_s=timeout_s,
+                                receive=receive)
         loop = asyncio.get_running_loop()
         replies.put(("ready", engine.version))
         while True:
@@ -106,9 +110,15 @@ def engine_main(model_dir: str, endpoint: str, timeout_s: float, commands: Any,
             if cmd == "wait_version":
                 ok = await loop.run_in_executor(None, receiver.wait_version, arg, 120)
                 replies.put(("version", ok, engine.version))
-            elif cmd == "generate":
+            elif cmd == "generate":  # arg: a tag, or (tag, seconds to give up after)
+                tag, within = arg if isinstance(arg, tuple) else (arg, None)
                 params = SamplingParams(temperature=0.0, max_tokens=8)
-                [done] = await engine.generate(PROMPT, params, f"greedy-{arg}")
+                try:
+                    [done] = await asyncio.wait_for(
+                        engine.generate(PROMPT, params, f"greedy-{tag}"), within)
+                except asyncio.TimeoutError:  # an engine that stays paused
+                    replies.put(("tokens", None, None))
+                    continue
                 replies.put(("tokens", done.token_ids, done.versions))
             elif cmd == "sample":  # arg: (n, max_tokens); temperature 1, with log-probs
                 n, max_tokens = arg

@@ -39,10 +39,11 @@ class Fleet:
         self.procs: dict[str, Any] = {}
         self.loaded: dict[str, dict[int, dict[str, str]]] = {}
 
-    def spawn(self, *ids: str, unstuck: Any = None) -> None:
+    def spawn(self, *ids: str, unstuck: Any = None, receive: str = "staged") -> None:
         for rid in ids:
             proc = self.ctx.Process(target=receiver_main, daemon=True,
-                                    args=(self.endpoint, rid, TIMEOUT_S, self.reports, unstuck))
+                                    args=(self.endpoint, rid, TIMEOUT_S, self.reports, unstuck,
+                                          receive))
             proc.start()
             self.procs[rid] = proc
         ready = set()
@@ -367,3 +368,27 @@ def test_control_channel_admits_only_the_run_token(publisher: CollectivePublishe
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_streamed_receiver_loads_as_it_receives_and_adopts_only_whole_versions(
+        publisher, fleet) -> None:
+    """``receive="streamed"``: the sink gets each version before it is received, and its load
+    receives it bucket by bucket (tests/weight_bus/test_wire.py: through one buffer). A
+    transfer that breaks off midway (the learner's weights stop following the plan after most
+    segments were sent) raises inside the load and the version is not adopted; the next
+    publish is. In a process of its own: a receiver left mid-version keeps posted receives,
+    which gloo aborts on at exit."""
+    fleet.spawn("streamed", receive="streamed")
+    publisher.wait_for_receivers(1)
+    for version in (1, 2, 3):  # streamed (makes the plan), announces it, follows it
+        state = make_state(version)
+        publisher.publish(version, state.items())
+        assert fleet.wait_loaded("streamed", version) == digest(state.items())
+    broken = make_state(4)
+    broken["step"] = torch.tensor([1, 2])  # late in the order: after most segments
+    with pytest.raises(WeightBusError, match="do not follow the bucket plan"):
+        publisher.publish(4, broken.items())
+    state = make_state(5)
+    publisher.publish(5, state.items())  # a new plan, on a new generation
+    assert fleet.wait_loaded("streamed", 5) == digest(state.items())
+    assert sorted(fleet.loaded["streamed"]) == [1, 2, 3, 5]  # 4 was not adopted

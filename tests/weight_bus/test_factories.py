@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamrl.config import WeightBusConfig
+from streamrl.config import Config, ConfigError, WeightBusConfig, replace, validate
 from streamrl.rollout_fleet.hf_engine import HFEngine
 from streamrl.rollout_fleet.sglang_engine import SGLangEngine
 from streamrl.rollout_fleet.vllm_engine import VLLMEngine
@@ -46,3 +46,27 @@ def test_make_receiver_refuses_the_colocated_backend() -> None:
 
 async def _unused_sink(weights: object, version: int) -> None:
     raise AssertionError("no version is ever published in these tests")
+
+
+def test_a_streamed_receive_needs_an_engine_that_loads_weights_as_they_arrive() -> None:
+    # HFEngine stages what it is given before swapping: views of a reused buffer would change.
+    with pytest.raises(ValueError, match=r"weight_bus.receive='streamed': needs a vLLM engine"):
+        make_receiver(WeightBusConfig(receive="streamed"), endpoint="tcp://127.0.0.1:9",
+                      sink=_unused_sink, engine=HFEngine.__new__(HFEngine))
+
+
+@pytest.mark.parametrize(("changes", "pattern"), [
+    ({"weight_bus.receive": "lazy"}, r"weight_bus.receive='lazy': must be one of"),
+    ({"weight_bus.receive": "streamed", "weight_bus.update_policy": "rolling"},
+     r"weight_bus.update_policy='rolling': contradicts weight_bus.receive=streamed"),
+    ({"weight_bus.receive": "streamed", "rollout.backend": "hf"},
+     r"weight_bus.receive='streamed': needs rollout.backend=vllm"),
+    ({"weight_bus.receive": "streamed", "actor.lora.rank": 8},
+     r"weight_bus.receive='streamed': needs full-weight publishes"),
+])
+def test_config_refuses_a_streamed_receive_where_it_cannot_work(changes: dict,
+                                                                 pattern: str) -> None:
+    cfg = replace(Config(), **changes)
+    with pytest.raises(ConfigError, match=pattern):
+        validate(cfg)
+    assert validate(replace(Config(), **{"weight_bus.receive": "streamed"}))

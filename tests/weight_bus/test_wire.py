@@ -1,5 +1,6 @@
 """The wire format of one version, over an in-memory group (no processes): what a streamed and
-a planned version put on the wire, and that a receiver assembles the same weights from it."""
+a planned version put on the wire, and that a receiver assembles the same weights from it,
+whole or bucket by bucket."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import torch
 
 from streamrl.weight_bus.base import WeightBusError
 from streamrl.weight_bus.buckets import BucketPacker, BucketPlan, BufferPool, PlannedPacker
-from streamrl.weight_bus.collective.wire import recv_version, send_planned, send_streamed
+from streamrl.weight_bus.collective.wire import (
+    Streaming,
+    recv_buckets,
+    recv_version,
+    send_planned,
+    send_streamed,
+)
 from streamrl.weight_bus.groups import Pending
 from tests.support.weights import digest, make_state
 
@@ -74,7 +81,8 @@ def test_a_planned_version_is_one_header_and_its_segments() -> None:
     v1, v2 = make_state(1), make_state(2)
     group = Loopback()
     buckets = list(BucketPacker(20_000).pack(v1.items()))
-    send_streamed(group, iter(buckets), timeout_s=1, check=lambda: None, sent=lambda b: None)
+    send_streamed(group, iter(buckets), bucket_bytes=20_000, timeout_s=1, check=lambda: None,
+                  sent=lambda b: None)
     # Streamed: a version header, then per bucket a header, a spec and the data; an end marker.
     assert len(group.wire) == 1 + 3 * len(buckets) + 1
     streamed = group.receive(None)
@@ -115,3 +123,39 @@ def test_a_plan_announced_again_on_a_generation_that_holds_it_fails_clearly() ->
     group.sending = False
     with pytest.raises(WeightBusError, match="which announced its bucket plan"):
         recv_version(group, plan, timeout_s=1, check=lambda: None, pool=BufferPool())
+
+
+def _stream(group: Loopback, plan: BucketPlan | None) -> tuple[Streaming, dict, set[int]]:
+    """Receive bucket by bucket as a streamed receiver's engine would: copying each weight
+    before asking for the next; returns the state, the copies and the buffers they came in."""
+    group.sending = False
+    state, got, buffers = Streaming(plan=plan), {}, set()
+    for tensors in recv_buckets(group, state, timeout_s=1, check=lambda: None,
+                                pool=BufferPool()):
+        for name, tensor in tensors:
+            if tensor.numel():
+                buffers.add(tensor.untyped_storage().data_ptr())
+            got[name] = tensor.clone()
+    assert state.complete and not group.wire, "the receiver left broadcasts unread"
+    return state, got, buffers
+
+
+def test_a_version_received_bucket_by_bucket_reuses_one_buffer() -> None:
+    v1, v2 = make_state(1), make_state(2)
+    group = Loopback()
+    buckets = list(BucketPacker(20_000).pack(v1.items()))
+    send_streamed(group, iter(buckets), bucket_bytes=20_000, timeout_s=1, check=lambda: None,
+                  sent=lambda b: None)
+    state, got, buffers = _stream(group, None)
+    assert state.plan is None and state.specs == [b.spec for b in buckets]
+    assert digest(got.items()) == digest(v1.items())
+    assert len(buffers) == 2  # of the bucket size, then of the one weight larger than it
+
+    plan = BucketPlan.build([b.spec for b in buckets], list(v1), chunk_bytes=4096)
+    for announce, plan_known in ((True, None), (False, plan)):
+        group = Loopback()
+        _send(group, plan, v2, announce)
+        state, got, buffers = _stream(group, plan_known)
+        assert state.plan == plan and state.specs == [b.spec for b in buckets]
+        assert digest(got.items()) == digest(v2.items())  # the empty tensor included
+        assert len(plan.buckets) > 3 and len(buffers) == 1  # one bucket's buffer, reused

@@ -12,7 +12,9 @@ nothing here is imported by ``base``):
   from the iterator (the first version makes the bucket plan, later ones follow it), broadcasts,
   checks every receiver's ``received`` ack (with the manifest it assembled) within timeout_s.
 - ``receiver``: ``CollectiveReceiver`` + ``LocalLanding``: a background thread that joins each
-  announced generation, receives the version in this process and hands it whole to the sink.
+  announced generation, receives the version in this process and hands it whole to the sink
+  (``receive="staged"``), or hands the sink the version first and the sink's load receives it
+  bucket by bucket into one buffer (``receive="streamed"``, ``weight_bus.receive``).
   ``vllm_receiver.VLLMWorkerLanding`` lands buckets inside a vLLM worker instead.
 
 Failure handling. Every wait is bounded by ``timeout_s`` and polls a check: on the learner, "has
@@ -29,30 +31,42 @@ that has not received the latest version (``CollectivePublisher.behind``: create
 after it was published, or a survivor of its failed broadcast) is not served from a copy: it gets
 the next ``publish``, or the learner gathers the same weights again at a step boundary and
 ``catch_up`` re-sends that version to those receivers only (the runtime does so while the
-learner waits for groups, so a fleet that is behind as a whole cannot stall it).
+learner waits for groups, so a fleet that is behind as a whole cannot stall it). A receiver
+holds a whole version (``staged``: buffers of the plan's bucket sizes, kept from version to
+version, so its engine samples through the transfer) or one bucket (``streamed``: a buffer of the
+plan's largest bucket, which a weight larger than ``bucket_mb`` sets, while its engine is
+paused for the transfer and the load).
 """
 
 from streamrl.weight_bus.collective.publisher import CollectivePublisher
 from streamrl.weight_bus.collective.receiver import (
+    RECEIVE_MODES,
     CollectiveReceiver,
+    Incoming,
     Landing,
     LocalLanding,
+    Streamed,
     default_receiver_id,
 )
 from streamrl.weight_bus.collective.wire import (
     manifest_of,
+    recv_buckets,
     recv_version,
     send_planned,
     send_streamed,
 )
 
 __all__ = [
+    "RECEIVE_MODES",
     "CollectivePublisher",
     "CollectiveReceiver",
+    "Incoming",
     "Landing",
     "LocalLanding",
+    "Streamed",
     "default_receiver_id",
     "manifest_of",
+    "recv_buckets",
     "recv_version",
     "send_planned",
     "send_streamed",

@@ -227,8 +227,10 @@ class CollectivePublisher(WeightPublisher):
             # streamed version's bucket buffer would sit in the pool for good.
             self._pool.clear()
 
-        return (lambda group, check: send_streamed(group, buckets, timeout_s=self.timeout_s,
-                                                   check=check, sent=packer.release),
+        return (lambda group, check: send_streamed(group, buckets,
+                                                   bucket_bytes=self.bucket_bytes,
+                                                   timeout_s=self.timeout_s, check=check,
+                                                   sent=packer.release),
                 drain)
 
     def _send_planned(self, group: WeightGroup, check: Check, segments: Iterator[Outgoing],

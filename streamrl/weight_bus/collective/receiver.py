@@ -1,15 +1,19 @@
 """Replica side of the collective bus: receive each announced version and feed the sink.
 
 Parts:
-- ``Landing``: where a receiver's buckets land (``receive`` / ``discard`` / ``close``).
+- ``Landing``: where a receiver's buckets land (``receive`` / ``stream`` / ``discard`` /
+  ``close``); ``Streamed``: what ``stream`` returns, a version the sink's load receives.
 - ``LocalLanding``: joins the announced generation in this process and receives into tensors
   here, keeping the bucket plan that generation announced and the buffers of its bucket sizes
-  (``vllm_receiver.VLLMWorkerLanding`` lands them inside a vLLM worker instead).
+  (``vllm_receiver.VLLMWorkerLanding`` lands them inside a vLLM worker instead); ``Incoming``
+  is its ``Streamed``.
 - ``CollectiveReceiver``: a background thread that takes each announcement from the
   ``ControlClient``, lets its landing receive the version, acks ``received`` (with the manifest
   it assembled), hands the version whole to the sink and acks ``loaded``, ``skipped`` or
-  ``failed``. Every wait is bounded by the generation's ``timeout_s`` and polls the generation's
-  abort flag, so a receiver gives a generation up when the learner does.
+  ``failed``; with ``receive="streamed"`` it hands the sink the version first and the sink's
+  load receives it (``Incoming``: bucket by bucket, one bucket held). Every wait is bounded by
+  the generation's ``timeout_s`` and polls the generation's abort flag, so a receiver gives a
+  generation up when the learner does.
 
 Dependencies: ``base`` (the protocol), ``control`` (ZMQ), ``groups`` (joining), ``wire``.
 """
@@ -17,6 +21,7 @@ Dependencies: ``base`` (the protocol), ``control`` (ZMQ), ``groups`` (joining), 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -24,16 +29,16 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from streamrl.types import WeightManifest
-from streamrl.weight_bus.base import NamedTensors, WeightReceiver, WeightSink
+from streamrl.weight_bus.base import NamedTensors, WeightBusError, WeightReceiver, WeightSink
 from streamrl.weight_bus.buckets import BucketPlan, BufferPool
-from streamrl.weight_bus.collective.wire import manifest_of, recv_version
+from streamrl.weight_bus.collective.wire import Streaming, manifest_of, recv_buckets, recv_version
 from streamrl.weight_bus.control import Announce, ControlClient
 from streamrl.weight_bus.groups import (
     GroupAborted,
@@ -46,10 +51,30 @@ from streamrl.weight_bus.groups import (
 log = logging.getLogger(__name__)
 
 
+RECEIVE_MODES = ("staged", "streamed")
+"""``weight_bus.receive``: see ``CollectiveReceiver``."""
+
+
+class Streamed(Protocol):
+    """A version announced and not received yet (``receive="streamed"``): the sink's load
+    receives it, bucket by bucket, while the engine is paused."""
+
+    def drain(self) -> WeightManifest:
+        """Receive it (the broadcast is collective) and load nothing: a re-send."""
+        ...
+
+    def finish(self) -> WeightManifest:
+        """After the sink returned: the manifest of the version, which it received whole;
+        raises (leaving the generation) if it did not."""
+        ...
+
+
 class Landing(Protocol):
     """Where a receiver's buckets land: this process, or inside an inference worker."""
 
     def receive(self, announce: Announce) -> tuple[WeightManifest, NamedTensors]: ...
+
+    def stream(self, announce: Announce) -> Streamed: ...
 
     def discard(self, announce: Announce) -> None: ...
 
@@ -85,6 +110,29 @@ class LocalLanding:
         self._plan, self._lent = got.plan, got.buffers
         return manifest_of(announce.version, announce.publish_id, got.specs), got.tensors
 
+    def stream(self, announce: Announce) -> Incoming:
+        return Incoming(self, announce)
+
+    def _buckets(self, announce: Announce,
+                 state: Streaming) -> Generator[tuple[str, torch.Tensor], None, None]:
+        group = self._join(announce.group)
+        state.plan = self._plan
+        try:
+            group.check_abort()  # see ``receive``
+            start = time.perf_counter()
+            for tensors in recv_buckets(group, state, timeout_s=group.spec.timeout_s,
+                                        check=group.check_abort, pool=self._pool):
+                state.wire_s += time.perf_counter() - start
+                yield from tensors  # the consumer loads them meanwhile
+                start = time.perf_counter()
+            state.wire_s += time.perf_counter() - start
+        except BaseException:  # GeneratorExit too: the consumer stopped mid-version
+            group.broken = True
+            if self._group is group:  # not a later generation joined since
+                self._drop()
+            raise
+        self._plan = state.plan
+
     def _join(self, spec: GroupSpec) -> WeightGroup:
         if self._group is not None and self._group.spec == spec:
             return self._group
@@ -113,6 +161,46 @@ class LocalLanding:
         self._drop()
 
 
+class Incoming:
+    """A version announced to a ``LocalLanding``, received as it is iterated: bucket by bucket
+    into one reused buffer (``wire.recv_buckets``), each weight a view into it that the next
+    bucket overwrites, so whoever iterates copies each weight before asking for the next (as
+    vLLM's ``load_weights`` does: it writes each into the model). Iterated once."""
+
+    def __init__(self, landing: LocalLanding, announce: Announce) -> None:
+        self.announce = announce
+        self._state = Streaming(plan=None)
+        self._tensors: Generator[tuple[str, torch.Tensor], None, None] | None = None
+        self._landing = landing
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._tensors is not None:
+            raise WeightBusError(f"weight bus: version {self.announce.version} is streamed: "
+                                 "it can be received only once")
+        self._tensors = self._landing._buckets(self.announce, self._state)
+        return self._tensors
+
+    @property
+    def wire_s(self) -> float:
+        """Seconds the iteration spent receiving, not in its consumer."""
+        return self._state.wire_s
+
+    def drain(self) -> WeightManifest:
+        for _ in self:
+            pass
+        return self.finish()
+
+    def finish(self) -> WeightManifest:
+        if not self._state.complete:
+            if self._tensors is not None:
+                self._tensors.close()  # leaves the generation (its receives are out of step)
+            else:
+                self._landing._drop()  # never joined this version's broadcast: out of step too
+            raise WeightBusError(f"weight bus: version {self.announce.version} was not "
+                                 "received whole (the sink stopped early)")
+        return manifest_of(self.announce.version, self.announce.publish_id, self._state.specs)
+
+
 def default_receiver_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -132,6 +220,17 @@ class CollectiveReceiver(WeightReceiver):
 
     ``sink`` may be sync or async; an async sink runs on ``loop`` (the replica's event loop;
     default: the loop running at construction, if any).
+
+    ``receive`` (``weight_bus.receive``): ``staged`` receives each version whole into buffers
+    kept from version to version (one model copy) while the engine samples on, then hands it
+    to the sink, whose swap pauses the engine only for the load. ``streamed`` hands the sink
+    the version before receiving it (the landing's ``stream``): the sink pauses the engine,
+    then its load receives the version bucket by bucket into one buffer (one bucket held, not
+    a model), so the engine pauses for the transfer and the load. The received ack, with the
+    manifest, follows the load; versions stay exact, as the version is adopted only once its
+    last bucket is in. A transfer that breaks off leaves the engine with part of the new
+    weights: the engine, not this receiver, must then stop sampling until a whole version is
+    loaded (``VLLMEngine.load_weights_with``, ``InprocVLLMEngine``).
     """
 
     def __init__(
@@ -143,7 +242,11 @@ class CollectiveReceiver(WeightReceiver):
         timeout_s: float = 60.0,
         loop: asyncio.AbstractEventLoop | None = None,
         landing: Landing | None = None,
+        receive: str = "staged",
     ) -> None:
+        if receive not in RECEIVE_MODES:
+            raise ValueError(f"weight_bus.receive={receive!r}: must be one of {RECEIVE_MODES}")
+        self.receive = receive
         self.receiver_id = receiver_id or default_receiver_id()
         self.sink = sink
         self.timeout_s = timeout_s
@@ -217,6 +320,9 @@ class CollectiveReceiver(WeightReceiver):
 
     def _handle(self, announce: Announce) -> None:
         self.control.ack(announce, "announced")  # alive and working: see ControlServer.silent_among
+        if self.receive == "streamed":
+            self._handle_streamed(announce)
+            return
         try:
             manifest, weights = self.landing.receive(announce)
         except Exception as exc:  # reported to the learner; the next announcement retries
@@ -239,6 +345,33 @@ class CollectiveReceiver(WeightReceiver):
             self.landing.discard(announce)
             self.control.ack(announce, "failed", error=f"{type(exc).__name__}: {exc}")
             return
+        self._loaded(announce)
+
+    def _handle_streamed(self, announce: Announce) -> None:
+        incoming = self.landing.stream(announce)
+        stage = "skipped" if announce.version <= self._version else "loaded"
+        try:
+            if stage == "skipped":
+                log.info("weight bus: %s drains version %d (already at %d)",
+                         self.receiver_id, announce.version, self._version)
+                manifest = incoming.drain()
+            else:
+                self._deliver(incoming, announce.version)
+                manifest = incoming.finish()
+        except Exception as exc:  # reported to the learner; the next announcement retries
+            log.warning("weight bus: %s failed to receive and load version %d: %s",
+                        self.receiver_id, announce.version, exc)
+            with contextlib.suppress(WeightBusError):  # a load that raised between two
+                incoming.finish()  # weights leaves the generation, its receives out of step
+            self.control.ack(announce, "failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.control.ack(announce, "received", manifest=manifest)
+        if stage == "skipped":
+            self.control.ack(announce, "skipped")
+        else:
+            self._loaded(announce)
+
+    def _loaded(self, announce: Announce) -> None:
         with self._cond:
             self._version = announce.version
             self._cond.notify_all()

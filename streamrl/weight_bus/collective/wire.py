@@ -7,11 +7,14 @@ Every version opens with a header ``int64[2] = (kind, n)`` broadcast from rank 0
   posts every receive at once, into pooled buffers of the plan's bucket sizes (the same ones
   version after version); the sender keeps up to ``window_bytes`` on the wire while it packs
   the next segments.
-- ``STREAMED``: a version with no plan yet (the first of a model): per bucket a header
-  ``int64[2] = (spec bytes, data bytes)``, the msgpack ``BucketSpec``, the flat data; a ``(0, 0)``
-  header ends it. The publisher makes the plan from it, staging one bucket at a time.
+- ``STREAMED``: a version with no plan yet (the first of a model), ``n`` the bucket size it was
+  packed with; per bucket a header ``int64[2] = (spec bytes, data bytes)``, the msgpack
+  ``BucketSpec``, the flat data; a ``(0, 0)`` header ends it. The publisher makes the plan from
+  it, staging one bucket at a time.
 
-Parts: ``send_planned`` / ``send_streamed`` (rank 0), ``recv_version`` (every other rank),
+Parts: ``send_planned`` / ``send_streamed`` (rank 0), ``recv_version`` (every other rank: the
+whole version into pooled buffers) or ``recv_buckets`` (bucket by bucket into one buffer, for a
+consumer that loads each bucket before the next is received),
 ``manifest_of`` (the ``WeightManifest`` both sides assemble; the publisher compares the
 receivers' with its own), ``Check`` (the poll every bounded wait runs; raises to give up).
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -96,15 +99,17 @@ def send_planned(group: WeightGroup, plan: BucketPlan, segments: Iterator[Outgoi
     window.drain()
 
 
-def send_streamed(group: WeightGroup, buckets: Iterator[Bucket], *, timeout_s: float,
-                  check: Check, sent: Callable[[Bucket], None]) -> list[BucketSpec]:
-    """Broadcast every bucket ``buckets`` yields, each after its spec; ``sent(bucket)`` once a
-    bucket left the wire, which is before the next one is packed: the sender stages one bucket
-    at a time (its buffer takes the next). Only the first version of a model goes this way, so
-    packing does not overlap the wire only once."""
+def send_streamed(group: WeightGroup, buckets: Iterator[Bucket], *, bucket_bytes: int,
+                  timeout_s: float, check: Check,
+                  sent: Callable[[Bucket], None]) -> list[BucketSpec]:
+    """Broadcast every bucket ``buckets`` (packed into ``bucket_bytes``) yields, each after its
+    spec; ``sent(bucket)`` once a bucket left the wire, which is before the next one is packed:
+    the sender stages one bucket at a time (its buffer takes the next). Only the first version
+    of a model goes this way, so packing does not overlap the wire only once."""
     specs: list[BucketSpec] = []
     window = _Window(group, 0, timeout_s, check)
-    window.post(_header(group, STREAMED, 0), "version header")
+    # The bucket size lets a streamed receive size its one buffer before the first bucket.
+    window.post(_header(group, STREAMED, bucket_bytes), "version header")
     for bucket in buckets:
         spec_bytes = encode(bucket.spec)
         what = f"bucket {len(specs)}"
@@ -208,6 +213,113 @@ def _recv_streamed(group: WeightGroup, *, timeout_s: float, check: Check,
         _wait(group, p_next, f"header after bucket {len(specs) - 1}", timeout_s, check)
         spec_len, data_len = (int(x) for x in next_header.tolist())
     return Received(None, specs, tensors, buffers)
+
+
+@dataclass
+class Streaming:
+    """What a streamed receive (``recv_buckets``) got so far."""
+
+    plan: BucketPlan | None
+    """The plan the generation got last (None: none yet); then the one the version followed."""
+    specs: list[BucketSpec] = field(default_factory=list)
+    """Filled in when the version is complete."""
+    complete: bool = False
+    wire_s: float = 0.0
+    """Seconds spent receiving (not in the consumer's load), as its caller counts them."""
+
+
+def recv_buckets(group: WeightGroup, state: Streaming, *, timeout_s: float, check: Check,
+                 pool: BufferPool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receive one version bucket by bucket (``weight_bus.receive=streamed``), yielding each
+    bucket's tensors as views into its receive buffer, which takes the next bucket once the
+    consumer asks for it: the consumer copies them first. A bucket's receives are posted only
+    then, so the sender waits while the consumer loads. Buffers: one per bucket open at once
+    (one unless the plan interleaves dtypes); a planned version's all of its largest bucket's
+    size, from ``pool`` and given back there; a streamed (first) version's of the bucket size
+    (larger for a weight larger than a bucket), dropped at its end."""
+    header_read = False
+    if state.plan is None:
+        kind, n = _recv_header(group, "version header", timeout_s, check)
+        if kind == STREAMED:
+            yield from _stream_streamed(group, state, n, timeout_s=timeout_s, check=check)
+            state.complete = True
+            return
+        if kind != PLAN_FOLLOWS:
+            raise WeightBusError(f"weight bus: version header ({kind}, {n}) on generation "
+                                 f"{group.generation}, which has no bucket plan")
+        blob = torch.empty(n, dtype=torch.uint8, device=group.device)
+        _wait(group, group.broadcast(blob), "bucket plan", timeout_s, check)
+        state.plan, header_read = decode(blob.cpu().numpy().tobytes(), BucketPlan), True
+    yield from _stream_planned(group, state.plan, header_read, timeout_s=timeout_s, check=check,
+                               pool=pool)
+    state.specs, state.complete = list(state.plan.buckets), True
+
+
+def _stream_planned(group: WeightGroup, plan: BucketPlan, header_read: bool, *,
+                    timeout_s: float, check: Check,
+                    pool: BufferPool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    device = group.device
+    size = max((b.nbytes for b in plan.buckets), default=0)
+    last = {s.bucket: i for i, s in enumerate(plan.segments)}  # the segment completing a bucket
+    header = torch.empty(2, dtype=torch.int64, device=device)
+    p_header = None if header_read else group.broadcast(header)
+    open_buffers: dict[int, torch.Tensor] = {}
+    posted: list[tuple[int, Pending]] = []
+    for i, segment in enumerate(plan.segments):
+        buffer = open_buffers.get(segment.bucket)
+        if buffer is None:
+            buffer = open_buffers[segment.bucket] = pool.take(size, device)
+        posted.append((i, group.broadcast(buffer[segment.start: segment.end])))
+        if last[segment.bucket] != i:
+            continue
+        if p_header is not None:
+            _wait(group, p_header, "version header", timeout_s, check)
+            p_header = None
+            if int(header[0]) != PLANNED:
+                raise WeightBusError(f"weight bus: version header {header.tolist()} on "
+                                     f"generation {group.generation}, which announced its "
+                                     "bucket plan: only planned versions may follow")
+        for j, p in posted:
+            _wait(group, p, f"segment {j} of {len(plan.segments)}", timeout_s, check)
+        posted = []
+        spec = plan.buckets[segment.bucket]
+        yield unpack(spec, open_buffers[segment.bucket][: spec.nbytes])
+        pool.give(open_buffers.pop(segment.bucket))
+    if p_header is not None:  # a plan with no bytes at all
+        _wait(group, p_header, "version header", timeout_s, check)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    for b, spec in enumerate(plan.buckets):
+        if b not in last:  # only empty tensors: nothing went on the wire for it
+            yield unpack(spec, empty)
+
+
+def _stream_streamed(group: WeightGroup, state: Streaming, bucket_bytes: int, *,
+                     timeout_s: float, check: Check) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    device = group.device
+    buffer = torch.empty(0, dtype=torch.uint8, device=device)
+    specs: list[BucketSpec] = []
+    spec_len, data_len = _recv_header(group, "first bucket header", timeout_s, check)
+    while spec_len:
+        spec_t = torch.empty(spec_len, dtype=torch.uint8, device=device)
+        if buffer.numel() < data_len:
+            # Of the bucket size at once: the consumer still holds a view of the old buffer
+            # while it asks for this bucket, so growing bucket by bucket would hold two. Only a
+            # weight larger than a bucket makes it grow again.
+            del buffer
+            buffer = torch.empty(max(data_len, bucket_bytes), dtype=torch.uint8, device=device)
+        data = buffer[:data_len]
+        next_header = torch.empty(2, dtype=torch.int64, device=device)
+        p_spec, p_data = group.broadcast(spec_t), group.broadcast(data)
+        p_next = group.broadcast(next_header)  # posted early: the sender never waits on us
+        _wait(group, p_spec, f"spec of bucket {len(specs)}", timeout_s, check)
+        spec = decode(spec_t.cpu().numpy().tobytes(), BucketSpec)
+        _wait(group, p_data, f"data of bucket {len(specs)}", timeout_s, check)
+        specs.append(spec)
+        yield unpack(spec, data)
+        del data  # with ``buffer``, freed before a larger bucket's buffer is made
+        _wait(group, p_next, f"header after bucket {len(specs) - 1}", timeout_s, check)
+        spec_len, data_len = (int(x) for x in next_header.tolist())
+    state.specs = specs
 
 
 def manifest_of(version: int, publish_id: str, specs: list[BucketSpec]) -> WeightManifest:
