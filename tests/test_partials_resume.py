@@ -46,13 +46,14 @@ def test_a_sigterm_saves_the_groups_in_flight_and_a_resumed_run_continues_them(
             f"trainer.output_dir={out}"]
     first_log = tmp_path / "first.log"
     with process([*args, "trainer.total_steps=1000"], first_log) as proc:
-        wait_for(lambda: latest_step(out) >= 2, RUN_TIMEOUT_S, "a second checkpoint", first_log)
+        wait_for(lambda: latest_step(out) >= 2, RUN_TIMEOUT_S, "a second checkpoint", first_log,
+                 proc=proc)
         # Right after a checkpoint: the replica samples with that checkpoint's weights, so the
         # tokens in flight are not newer than the step the next run resumes from (those would
         # be cut: partials.usable).
         step = latest_step(out)
         wait_for(lambda: latest_step(out) > step, RUN_TIMEOUT_S, "the next checkpoint",
-                 first_log)
+                 first_log, proc=proc)
         time.sleep(STOP_AFTER_S)
         family = set(psutil.Process(proc.pid).children(recursive=True))
         proc.send_signal(signal.SIGTERM)

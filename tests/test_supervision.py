@@ -84,17 +84,17 @@ def test_a_killed_replica_is_recreated_then_a_hopeless_one_stops_the_run(
     family: set[psutil.Process] = set()
     with train_process(args, log) as proc:
         driver = psutil.Process(proc.pid)
-        first = wait_for(lambda: replica_actor(driver), 240, "a replica actor", log)
-        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log)
+        first = wait_for(lambda: replica_actor(driver), 240, "a replica actor", log, proc=proc)
+        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log, proc=proc)
         family |= set(driver.children(recursive=True))
         first.kill()
 
         # Recovered: a new incarnation produces and the learner takes more steps with it.
         second = wait_for(lambda: (a := replica_actor(driver)) is not None and a.pid != first.pid
-                          and a, 120, "a re-created replica", log)
+                          and a, 120, "a re-created replica", log, proc=proc)
         stepped = len(steps_logged(metrics))
         wait_for(lambda: len(steps_logged(metrics)) >= stepped + 3, 180,
-                 "3 steps after the re-creation", log)
+                 "3 steps after the re-creation", log, proc=proc)
         last = steps_logged(metrics)[-1]
         assert last["fleet/restarts"] == 1 and last["fleet/live_replicas"] == 1
         family |= set(driver.children(recursive=True))
@@ -130,19 +130,19 @@ def test_a_killed_learner_and_buffer_actor_are_restarted_then_a_hopeless_one_sto
 
     def more_steps(n: int, what: str) -> None:
         stepped = len(steps_logged(metrics))
-        wait_for(lambda: len(steps_logged(metrics)) >= stepped + n, 180, what, log)
+        wait_for(lambda: len(steps_logged(metrics)) >= stepped + n, 180, what, log, proc=proc)
 
     family: set[psutil.Process] = set()
     with train_process(args, log) as proc:
         driver = psutil.Process(proc.pid)
-        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log)
+        wait_for(lambda: len(steps_logged(metrics)) >= 3, 240, "3 training steps", log, proc=proc)
         replica = replica_actor(driver)
         learner = replica_actor(driver, "ray::LearnerActor")
         assert replica is not None and learner is not None
         family |= set(driver.children(recursive=True))
         learner.kill()
         wait_for(lambda: "learner restarted from" in log.read_text(errors="replace"), 180,
-                 "the learner restarted", log)
+                 "the learner restarted", log, proc=proc)
         more_steps(2, "2 steps after the learner restart")
 
         buffer_actor = replica_actor(driver, "ray::BufferActor")
@@ -176,8 +176,9 @@ def test_a_killed_hybrid_worker_stops_the_run_at_once(tmp_path: Path, tiny_model
     with train_process(args, log) as proc:
         driver = psutil.Process(proc.pid)
         worker = wait_for(lambda: replica_actor(driver, "ray::HybridActor"), 240,
-                          "a hybrid worker", log)
-        wait_for(lambda: len(steps_logged(out / "metrics.jsonl")) >= 2, 240, "2 steps", log)
+                          "a hybrid worker", log, proc=proc)
+        wait_for(lambda: len(steps_logged(out / "metrics.jsonl")) >= 2, 240, "2 steps", log,
+                 proc=proc)
         family = set(driver.children(recursive=True))
         code, stopped_after_s = kill_and_wait(proc, worker)
     text = log.read_text(errors="replace")

@@ -29,10 +29,11 @@ def process(args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path, *,
-             transient: tuple[type[Exception], ...] = ()) -> Any:
+             transient: tuple[type[Exception], ...] = (),
+             proc: subprocess.Popen[bytes] | None = None) -> Any:
     """Poll ``predicate`` until it is truthy and return its value; ``transient`` errors count as
-    not yet (a server still starting). Past ``timeout`` seconds: TimeoutError with the log's
-    tail."""
+    not yet (a server still starting). Past ``timeout`` seconds, or as soon as ``proc`` (the
+    process that should bring it about) has exited: an error with the log's tail."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -40,7 +41,13 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, log: Path,
                 return value
         except transient:
             pass
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited ({proc.returncode}) before; log "
+                                 f"tail:\n{_tail(log)}")
         if time.monotonic() > deadline:
-            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-            raise TimeoutError(f"{what} within {timeout} s; log tail:\n{tail}")
+            raise TimeoutError(f"{what} within {timeout} s; log tail:\n{_tail(log)}")
         time.sleep(0.2)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
