@@ -772,8 +772,7 @@ class WeightBusConfig:
     rolling: a replica pauses only itself to swap, and at most ``rolling_k`` replicas swap at
     once, so the rest of the fleet keeps sampling through a publish."""
     rolling_k: int = 1
-    """With update_policy=rolling: how many replicas may be mid-swap at the same time (one with
-    no request in flight swaps without waiting: pausing it stops no sampling)."""
+    """With update_policy=rolling: how many replicas may be mid-swap at the same time."""
     receive: str = "staged"
     """staged | streamed: how a replica receives a version (docs/architecture.md, weight bus).
     staged: whole into buffers kept between versions (one model copy per replica) while it

@@ -55,9 +55,8 @@ Weight updates (``update_weights(weights, version, policy)``), atomic in every c
   their versions and log-probs.
 - ``rolling``: ``pause`` in turns: wait for one of the fleet's ``SwapTokens`` (at most k
   replicas swap at once), pause only this engine, swap, resume, give the token back; the other
-  replicas keep sampling; one with no request in flight swaps without a turn. Until its swap
-  is done the replica starts no group and claims no slot (``swapping``), so a replica still on
-  version V-1 never starts a group for V.
+  replicas keep sampling. Until its swap is done the replica starts no group and claims no
+  slot (``swapping``), so a replica still on version V-1 never starts a group for V.
 
 With ``weight_bus.receive=streamed`` the weights handed to ``update_weights`` are not received
 yet: the swap itself receives them, bucket by bucket, after the policy paused, aborted or
@@ -998,19 +997,12 @@ class Replica:
 
     @contextlib.asynccontextmanager
     async def _swap_turn(self, version: int) -> AsyncIterator[None]:
-        """Hold one of the fleet's swap tokens (at most ``k`` replicas swap at once). A replica
-        with no request in flight takes none: pausing it stops no sampling, and waiting for a
-        turn would only put a busy replica's turn behind its own (the busy one's groups in
-        flight then age while the first to swap samples fresh ones that overtake them). It
-        still gives back after its swap: a token left held under its name by a dead incarnation
-        (``SwapTokens``) is freed either way."""
+        """Hold one of the fleet's swap tokens (at most ``k`` replicas swap at once)."""
         assert self.swap_tokens is not None
-        if self._requests:
-            holders = await self.swap_tokens.take(self.name)
-            if holders is not None:
-                raise TimeoutError(f"{self.name}: no turn to load weight version {version} "
-                                   "within weight_bus.timeout_s: the swap tokens are held by "
-                                   f"{holders}")
+        holders = await self.swap_tokens.take(self.name)
+        if holders is not None:
+            raise TimeoutError(f"{self.name}: no turn to load weight version {version} within "
+                               f"weight_bus.timeout_s: the swap tokens are held by {holders}")
         try:
             yield
         finally:
@@ -1115,7 +1107,6 @@ class SwapTokens:
     let k + 1 replicas swap at once); the supervisor gives back a dead one's. A holder asking
     again keeps its token: should that give-back fail, the replica re-created under the same
     name takes the token over with its first load (the weight bus's catch-up) and gives it back.
-    A replica with no request in flight swaps without a token (``Replica._swap_turn``).
     """
 
     def __init__(self, k: int, timeout_s: float) -> None:

@@ -10,10 +10,9 @@ Checked: the swaps never overlap and the other replica samples tokens during eac
 group starts on weights older than the version admission was opened for, and every group is
 taken within the staleness bound (none dropped); a replica waiting for its turn claims no
 slot; the router sends a new call to a replica that is not swapping, and waits while all are;
-a wait for a turn runs out with an error naming the replica and the holder, and a replica
-with no request in flight takes no turn; replica actors share the driver's Ray actor's
-tokens, which outlive a replica that dies holding one; the config accepts rolling only where
-it can work.
+a wait for a turn runs out with an error naming the replica and the holder; replica actors
+share the driver's Ray actor's tokens, which outlive a replica that dies holding one; the
+config accepts rolling only where it can work.
 """
 
 from __future__ import annotations
@@ -32,19 +31,12 @@ from streamrl.rollout_fleet.engine import Completion, SamplingParams
 from streamrl.rollout_fleet.replica import Replica, SwapTokens
 from streamrl.serve.router import LocalBackend, Router
 from streamrl.types import Group
-from tests.support.rollout import (
-    IdTokenizer,
-    ListedRewards,
-    ScriptedEngine,
-    scripted_prompts,
-    wait_until,
-)
+from tests.support.rollout import IdTokenizer, ListedRewards, ScriptedEngine, scripted_prompts
 
 ETA = 2
 B = 8  # groups per step: as many as the fleet samples at once, so it never idles
 STEPS = 8
 UPDATE_S = 0.04  # the learner's update: replicas sample meanwhile, up to the bound
-HOLD = 7  # HoldingEngine's held prompt
 
 
 class PacedEngine(ScriptedEngine):
@@ -97,26 +89,6 @@ class PacedEngine(ScriptedEngine):
 
     def token_times(self) -> list[float]:
         return [t for t, event in self.log if event == "token"]
-
-
-class HoldingEngine(ScriptedEngine):
-    """A ScriptedEngine that holds requests for prompt ``[HOLD]`` until ``release`` is set: a
-    replica with one in flight waits for its turn to swap (an idle one takes none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = asyncio.Event()
-
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str
-                       ) -> list[Completion]:
-        if prompt_ids == [HOLD]:
-            await self.release.wait()
-        return await super().generate(prompt_ids, params, request_id)
-
-
-def hold(replica: Replica) -> asyncio.Future[Completion]:
-    """A request in flight on ``replica`` until its HoldingEngine's ``release``."""
-    return asyncio.ensure_future(replica.sample_one([HOLD], SamplingParams(n=1), "held"))
 
 
 def make_replica(engine: ScriptedEngine, buffer: MemoryBuffer | None, tokens: SwapTokens,
@@ -243,11 +215,10 @@ def test_a_replica_waiting_for_its_turn_claims_no_slot():
 def test_router_skips_a_replica_waiting_for_its_turn():
     async def scenario():
         tokens = SwapTokens(k=1, timeout_s=30.0)
-        engines = [HoldingEngine(), HoldingEngine()]
+        engines = [ScriptedEngine(), ScriptedEngine()]
         replicas = [make_replica(e, None, tokens, f"replica-{i}") for i, e in enumerate(engines)]
         router = Router([LocalBackend(r, r.name) for r in replicas], rolling=True)
         assert router.pick("episode") == 0
-        held = hold(replicas[0])
         await tokens.take("someone-else")  # replica-0 must wait for its turn
         update = asyncio.ensure_future(replicas[0].update_weights([], 1, "rolling"))
         await asyncio.sleep(0.01)
@@ -260,8 +231,6 @@ def test_router_skips_a_replica_waiting_for_its_turn():
         assert engines[0].version == 1 and not replicas[0].swapping
         await router.sample("episode", [0], SamplingParams(n=1), "call-2")
         assert engines[0].answered == [0]
-        engines[0].release.set()
-        await held
 
     asyncio.run(scenario())
 
@@ -295,11 +264,10 @@ def test_router_waits_while_every_replica_swaps():
     weights), or gives up after ``swap_wait_s`` naming the replicas."""
     async def scenario():
         tokens = SwapTokens(k=1, timeout_s=30.0)
-        engines = [HoldingEngine(), HoldingEngine()]
+        engines = [ScriptedEngine(), ScriptedEngine()]
         replicas = [make_replica(e, None, tokens, f"replica-{i}") for i, e in enumerate(engines)]
         router = Router([LocalBackend(r, r.name) for r in replicas], rolling=True,
                         swap_wait_s=0.1)
-        held = [hold(r) for r in replicas]
         await tokens.take("someone-else")  # both wait for their turn
         updates = [asyncio.ensure_future(r.update_weights([], 1, "rolling")) for r in replicas]
         await asyncio.sleep(0.01)
@@ -315,9 +283,6 @@ def test_router_waits_while_every_replica_swaps():
         completion = await call
         assert completion.versions == [1] * 4  # sampled by a replica that had swapped
         await asyncio.gather(*updates)
-        for engine in engines:
-            engine.release.set()
-        await asyncio.gather(*held)
 
     asyncio.run(scenario())
 
@@ -357,38 +322,13 @@ def test_ray_swap_tokens_are_the_drivers_actor_and_outlive_a_holder(ray_local):
 
 def test_a_turn_that_never_comes_names_the_replica_and_the_holder():
     async def scenario():
-        buffer = MemoryBuffer(groups_per_step=B, max_staleness=ETA)
         tokens = SwapTokens(k=1, timeout_s=0.2)
-        replica = make_replica(PacedEngine(buffer, tokens=500, ragged=0), buffer, tokens,
-                               "replica-1")
+        replica = make_replica(ScriptedEngine(), None, tokens, "replica-1")
         await tokens.take("replica-0")
-        replica.start()
-        try:
-            await wait_until(lambda: bool(replica.request_ids), what="a request in flight")
-            with pytest.raises(TimeoutError, match=r"replica-1: no turn to load weight version "
-                                                   r"3 .*held by replica-0 \(for 0\.\d s\)"):
-                await replica.update_weights([], 3, "rolling")
-            assert not replica.swapping and replica.engine.version == 0
-        finally:
-            await replica.stop(cancel=True)
-
-    asyncio.run(scenario())
-
-
-def test_an_idle_replica_swaps_without_a_turn():
-    """Pausing a replica with no request in flight stops no sampling: it loads at once while
-    another holds the only token (a busy replica's turn never waits behind it), and still
-    frees a token a dead incarnation under its name left held."""
-    async def scenario():
-        tokens = SwapTokens(k=1, timeout_s=5.0)
-        idle = make_replica(ScriptedEngine(), None, tokens, "replica-1")
-        await tokens.take("replica-0")
-        await asyncio.wait_for(idle.update_weights([], 3, "rolling"), 1.0)
-        assert idle.engine.version == 3 and not idle.swapping
-        await tokens.give_back("replica-0")
-        await tokens.take("replica-1")  # left held by a dead incarnation of replica-1
-        await idle.update_weights([], 4, "rolling")
-        assert await asyncio.wait_for(tokens.take("replica-0"), 1.0) is None
+        with pytest.raises(TimeoutError, match=r"replica-1: no turn to load weight version 3 "
+                                               r".*held by replica-0 \(for 0\.\d s\)"):
+            await replica.update_weights([], 3, "rolling")
+        assert not replica.swapping and replica.engine.version == 0
 
     asyncio.run(scenario())
 

@@ -145,7 +145,9 @@ def test_in_place_swap_matches_the_learner_and_leaves_no_copy(medium_model_dir, 
     assert r["stale_diff"] > 1e-3, "the training step did not change the weights"
     assert r["diff"] < 1e-4
     assert r["version"] == 1 and r["token_versions"] == {1}
-    assert r["rss_growth"] < 0.25 * r["weight_bytes"], "a copy of the weights stayed alive"
+    # A copy left alive is 1.0x the weights; the swap's own growth measured 14-17 MiB of 64.7
+    # (0.22-0.27x: vLLM's and the allocator's), so the line sits halfway.
+    assert r["rss_growth"] < 0.5 * r["weight_bytes"], "a copy of the weights stayed alive"
 
 
 def test_world_size_two_each_rank_swaps_its_own_engine(tiny_model_dir, tmp_path):
