@@ -199,20 +199,34 @@ def _recv_streamed(group: WeightGroup, *, timeout_s: float, check: Check,
     tensors: list[tuple[str, torch.Tensor]] = []
     spec_len, data_len = _recv_header(group, "first bucket header", timeout_s, check)
     while spec_len:
-        spec_t = torch.empty(spec_len, dtype=torch.uint8, device=device)
         data = pool.take(data_len, device)
         buffers.append(data)
-        next_header = torch.empty(2, dtype=torch.int64, device=device)
-        p_spec, p_data = group.broadcast(spec_t), group.broadcast(data)
-        p_next = group.broadcast(next_header)  # posted early: the sender never waits on us
-        _wait(group, p_spec, f"spec of bucket {len(specs)}", timeout_s, check)
-        spec = decode(spec_t.cpu().numpy().tobytes(), BucketSpec)
-        _wait(group, p_data, f"data of bucket {len(specs)}", timeout_s, check)
+        spec, next_header = _recv_bucket(group, spec_len, data, len(specs), timeout_s, check)
         tensors.extend(unpack(spec, data))
         specs.append(spec)
-        _wait(group, p_next, f"header after bucket {len(specs) - 1}", timeout_s, check)
-        spec_len, data_len = (int(x) for x in next_header.tolist())
+        spec_len, data_len = next_header()
     return Received(None, specs, tensors, buffers)
+
+
+def _recv_bucket(group: WeightGroup, spec_len: int, data: torch.Tensor, index: int,
+                 timeout_s: float, check: Check
+                 ) -> tuple[BucketSpec, Callable[[], tuple[int, int]]]:
+    """Bucket ``index`` of a ``STREAMED`` version into ``data``: its spec, and a wait for the
+    next bucket's header, whose receive is posted with this bucket's (the sender never waits on
+    us)."""
+    spec_t = torch.empty(spec_len, dtype=torch.uint8, device=group.device)
+    header = torch.empty(2, dtype=torch.int64, device=group.device)
+    p_spec, p_data, p_next = (group.broadcast(t) for t in (spec_t, data, header))
+    _wait(group, p_spec, f"spec of bucket {index}", timeout_s, check)
+    spec = decode(spec_t.cpu().numpy().tobytes(), BucketSpec)
+    _wait(group, p_data, f"data of bucket {index}", timeout_s, check)
+
+    def next_header() -> tuple[int, int]:
+        _wait(group, p_next, f"header after bucket {index}", timeout_s, check)
+        a, b = (int(x) for x in header.tolist())
+        return a, b
+
+    return spec, next_header
 
 
 @dataclass
@@ -300,7 +314,6 @@ def _stream_streamed(group: WeightGroup, state: Streaming, bucket_bytes: int, *,
     specs: list[BucketSpec] = []
     spec_len, data_len = _recv_header(group, "first bucket header", timeout_s, check)
     while spec_len:
-        spec_t = torch.empty(spec_len, dtype=torch.uint8, device=device)
         if buffer.numel() < data_len:
             # Of the bucket size at once: the consumer still holds a view of the old buffer
             # while it asks for this bucket, so growing bucket by bucket would hold two. Only a
@@ -308,17 +321,11 @@ def _stream_streamed(group: WeightGroup, state: Streaming, bucket_bytes: int, *,
             del buffer
             buffer = torch.empty(max(data_len, bucket_bytes), dtype=torch.uint8, device=device)
         data = buffer[:data_len]
-        next_header = torch.empty(2, dtype=torch.int64, device=device)
-        p_spec, p_data = group.broadcast(spec_t), group.broadcast(data)
-        p_next = group.broadcast(next_header)  # posted early: the sender never waits on us
-        _wait(group, p_spec, f"spec of bucket {len(specs)}", timeout_s, check)
-        spec = decode(spec_t.cpu().numpy().tobytes(), BucketSpec)
-        _wait(group, p_data, f"data of bucket {len(specs)}", timeout_s, check)
+        spec, next_header = _recv_bucket(group, spec_len, data, len(specs), timeout_s, check)
         specs.append(spec)
         yield unpack(spec, data)
         del data  # with ``buffer``, freed before a larger bucket's buffer is made
-        _wait(group, p_next, f"header after bucket {len(specs) - 1}", timeout_s, check)
-        spec_len, data_len = (int(x) for x in next_header.tolist())
+        spec_len, data_len = next_header()
     state.specs = specs
 
 
