@@ -142,6 +142,7 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
     tasks = itertools.count()
     windows: list[dict[str, float]] = []
     window: list[dict[str, Any]] = []
+    learned = asyncio.Event()
 
     def record(result: dict[str, Any]) -> None:
         window.append(result)
@@ -152,10 +153,13 @@ async def main(args: argparse.Namespace) -> dict[str, float]:
             windows.append(means)
             print(json.dumps({"episodes": len(windows) * args.report_every, **means}),
                   flush=True)
+            if args.stop_at_reward is not None and means["reward"] >= args.stop_at_reward:
+                learned.set()
 
     async def worker(http: httpx.AsyncClient) -> None:
         """Runs one task at a time: its group of episodes together, as GRPO wants them."""
-        while (index := next(tasks)) < args.episodes // args.group_size:
+        tasks_to_run = args.episodes // args.group_size
+        while not learned.is_set() and (index := next(tasks)) < tasks_to_run:
             task = Prompt(index=index, prompt_ids=[], data_source="relay",
                           ground_truth=str(rng.randrange(10)), extra={})
             group_id = uuid.uuid4().hex
@@ -188,6 +192,8 @@ if __name__ == "__main__":
     parser.add_argument("--report-every", type=int, default=256)
     parser.add_argument("--max-retries", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-at-reward", type=float, default=None,
+                        help="start no new task once a report's mean reward reaches this")
     # The tiny model's 320-token vocabulary spells the tool schema out in ~200 tokens, eight
     # times the game itself: without it the tiny model trains several times faster.
     parser.add_argument("--no-tools", action="store_true", help="offer the model no tool")

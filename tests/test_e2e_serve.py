@@ -45,8 +45,9 @@ def version_served(url: str) -> int:
     return int(httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["weight_version"])
 
 
-# sync: 0.82 over 4096 episodes, observation turns 0.80 vs 0.13, 219 s; at 2560 episodes 0.30,
-# observation turns 0.27 vs 0.15 (rising by ~0.09 per 512 episodes): 3072 keeps a margin.
+# sync: 0.82 over 4096 episodes, observation turns 0.80 vs 0.13, 219 s. When learning starts
+# varies from run to run (at 3072 episodes one CI run read 0.25, observation turns 0.24 vs 0.17,
+# another 0.30 at 2560), so the agent stops at the first report of 0.5, up to 4096 episodes.
 # one_step_off learned to condition on the observation in some runs only (twice 0.19-0.22 vs
 # 0.18-0.20, once failing CI), so its learning is left to tests/test_e2e_agent.py and this test
 # checks the service.
@@ -61,9 +62,9 @@ def test_serve_trains_on_its_clients_episodes(tmp_path: Path, tiny_model_dir: Pa
         wait_for(lambda: httpx.get(f"{url}/healthz").status_code == 200, 300, "no /healthz",
                  log)
         agent = subprocess.run(
-            [sys.executable, str(AGENT), "--base-url", url, "--episodes", "3072",
-             "--report-every", "512", "--no-tools"], capture_output=True, text=True,
-            timeout=900)
+            [sys.executable, str(AGENT), "--base-url", url, "--episodes", "4096",
+             "--report-every", "512", "--stop-at-reward", "0.5", "--no-tools"],
+            capture_output=True, text=True, timeout=900)
         assert agent.returncode == 0, agent.stderr[-3000:]
         summary = json.loads(agent.stdout.strip().splitlines()[-1])["summary"]
         print(agent.stdout)
