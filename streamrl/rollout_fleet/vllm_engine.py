@@ -94,8 +94,11 @@ WeightPayload = list[tuple[str, str, list[int], bytes]]
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 accepts."""
-MAX_LORAS = 4
-"""Adapters (versions) one engine step may mix; requests of a further version wait a step."""
+MAX_LORAS = 8
+"""Adapters (versions) one engine step may mix: vLLM holds back a request of a further version
+until every request of an older one has ended (with 4, some request was held back 12-37 % of
+the time while SmolLM2 adapters were added every 2.8 s; docs/lora.md). Each slot costs one
+adapter at ``max_lora_rank`` in vLLM's stacked LoRA weights."""
 MAX_CPU_LORAS = 32
 """Adapters kept loaded: versions with requests in flight, far above any staleness bound."""
 IN_MEMORY = "streamrl-in-memory"
@@ -147,8 +150,17 @@ def register_adapter_payload(worker: Any, payload: WeightPayload, lora_id: int,
 def add_adapter_tensors(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]], lora_id: int,
                         config: dict[str, Any]) -> None:
     """Register an adapter (PEFT-named tensors, ``config`` as in ``adapter_config.json``) in the
-    worker's LoRA cache as ``lora_id``: vLLM's own directory loader (``WorkerLoRAManager.
-    _load_adapter``) minus the file. The tensors are copied (they may be receive buffers)."""
+    worker's LoRA cache as ``lora_id``: ``adapter_model``, then ``register_adapter``."""
+    register_adapter(worker, adapter_model(worker, tensors, lora_id, config))
+
+
+def adapter_model(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]], lora_id: int,
+                  config: dict[str, Any]) -> Any:
+    """The ``LoRAModel`` of an adapter as vLLM's LoRA cache holds it: vLLM's own directory
+    loader (``WorkerLoRAManager._load_adapter``) minus the file, then packed (q/k/v, gate/up)
+    and scaled as the cache's ``add_adapter`` does first. The tensors are copied (they may be
+    receive buffers). It only reads the worker's LoRA settings, so it may run beside a step
+    (``InprocVLLMEngine`` builds it off its engine thread)."""
     from vllm.lora.peft_helper import PEFTHelper
 
     manager = worker.model_runner.lora_manager
@@ -164,9 +176,17 @@ def add_adapter_tensors(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]]
         device="cpu", dtype=dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+    # add_adapter repeats this and finds nothing left to pack or scale.
+    adapters._create_merged_loras_inplace(lora)
+    return lora
+
+
+def register_adapter(worker: Any, lora: Any) -> None:
+    """Put an ``adapter_model`` into the worker's LoRA cache (between two steps)."""
+    adapters = worker.model_runner.lora_manager._adapter_manager
     if len(adapters) >= adapters.capacity:  # adding would evict one that requests may use
         raise RuntimeError(f"vLLM holds {len(adapters)} LoRA adapters (max_cpu_loras): none "
-                           f"idle to make room for adapter {lora_id}")
+                           f"idle to make room for adapter {lora.id}")
     adapters.add_adapter(lora)
 
 

@@ -21,9 +21,10 @@ How it works:
   then adopts that world and gives each rank a tensor-parallel group of its own (vLLM's
   "external data parallel" layout), which is why every hybrid rank must build its engine at the
   same time (``new_group`` is collective).
-- LoRA (built with a ``LoraConfig``): ``load_weights`` of an adapter's tensors registers them
-  as the new version's adapter between two steps, without pausing; each request keeps the
-  adapter it was submitted with, and idle ones are removed (``vllm_engine.AdapterVersions``).
+- LoRA (built with a ``LoraConfig``): ``load_weights`` of an adapter's tensors builds vLLM's
+  adapter from them in another thread while the engine steps, then registers it as the new
+  version's adapter between two steps, without pausing; each request keeps the adapter it
+  was submitted with, and idle ones are removed (``vllm_engine.AdapterVersions``).
 - ``sleep``/``wake_up``: vLLM sleep mode (frees KV cache and weights) on GPUs; no-ops on CPU.
 
 Dependencies: engine.py (protocol), vllm_engine.py (engine args, sampling, streams, loading).
@@ -48,11 +49,12 @@ from streamrl.rollout_fleet.engine import Completion, RolloutEngine, SamplingPar
 from streamrl.rollout_fleet.vllm_engine import (
     AdapterVersions,
     SampleStream,
-    add_adapter_tensors,
+    adapter_model,
     completions,
     engine_args,
     is_adapter,
     load_into_worker,
+    register_adapter,
     stamp,
     vllm_sampling,
 )
@@ -176,11 +178,14 @@ class InprocVLLMEngine(RolloutEngine):
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread between two steps and return its result."""
-        if self._closed or not self._thread.is_alive():
-            raise RuntimeError(f"the in-process vLLM engine is not running ({self._why()})")
+        self._check_running()
         result: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._commands.put((fn, result))
         return await asyncio.wrap_future(result)
+
+    def _check_running(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise RuntimeError(f"the in-process vLLM engine is not running ({self._why()})")
 
     def _why(self) -> str:
         return "closed" if self._closed else f"failed: {self._error!r}"
@@ -277,10 +282,15 @@ class InprocVLLMEngine(RolloutEngine):
         if not is_adapter(name for name, _ in tensors):
             raise ValueError(f"load_weights(version={version}): this engine serves LoRA "
                              "adapters (actor.lora.publish=adapter) and got full weights")
+        self._check_running()  # before building in another thread
         lora = self._adapters.new_request(version)
-        # Between two steps; requests in flight keep the adapter they were submitted with.
-        await self._call(lambda: self._llm.collective_rpc(
-            add_adapter_tensors, args=(tensors, lora.lora_int_id, self._adapter_config)))
+        # Built (copied, packed, scaled) beside the engine thread, which steps meanwhile: the
+        # executor is in this process, so collective_rpc runs it in the calling thread, and
+        # building reads nothing a step changes. Registered between two steps; requests in
+        # flight keep the adapter they were submitted with.
+        model = (await asyncio.to_thread(self._llm.collective_rpc, adapter_model, args=(
+            tensors, lora.lora_int_id, self._adapter_config)))[0]
+        await self._call(lambda: self._llm.collective_rpc(register_adapter, args=(model,)))
         idle = self._adapters.adopt(version, lora)
         self._version = version
         if idle is not None:
