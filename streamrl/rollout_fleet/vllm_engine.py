@@ -205,7 +205,11 @@ def load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -
             runner.reset_mm_cache()
         else:
             _quiet_expected_reload_warnings(_tied(runner.model))
-            runner.reload_weights(weights_iterator=iter(weights))
+            # vLLM's layer-wise reload holds each tensor until its layer is whole (q, k and v
+            # of a qkv_proj): a streamed receive's views into its reused buffer would be
+            # overwritten by then, so it gets copies.
+            runner.reload_weights(weights_iterator=((name, tensor.clone())
+                                                    for name, tensor in weights))
         _retie_lm_head(runner.model)
     else:
         runner.model.load_weights(weights=iter(weights))

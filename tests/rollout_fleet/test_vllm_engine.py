@@ -36,17 +36,20 @@ def worker_frames_compiled(worker) -> int:
 
 
 def worker_reload_fingerprints(worker, payload, in_place: bool, shuffle: int | None = None,
-                               drop: str | None = None) -> dict[str, dict[str, float]]:
+                               drop: str | None = None, one_buffer: bool = False
+                               ) -> dict[str, dict[str, float]]:
     """Runs inside the vLLM worker: loads ``payload`` in place (``cpu_reload``) or through
     vLLM's own reload, then fingerprints what the forward reads: each packed layer's output on
     fixed inputs, and every other parameter. ``shuffle``: load the weights in an order shuffled
-    with this seed; ``drop``: leave this weight out."""
+    with this seed; ``drop``: leave this weight out; ``one_buffer``: through ``load_into_worker``
+    on a model with no in-place plan (vLLM's reload), each weight a view into one buffer the next
+    overwrites, as a streamed receive hands them."""
     import random
 
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    from streamrl.rollout_fleet.cpu_reload import reload_in_place
-    from streamrl.rollout_fleet.vllm_engine import _retie_lm_head, _tensor
+    from streamrl.rollout_fleet import cpu_reload
+    from streamrl.rollout_fleet.vllm_engine import _retie_lm_head, _tensor, load_into_worker
 
     runner = worker.model_runner
     weights = [(name, _tensor(raw, dtype, shape)) for name, dtype, shape, raw in payload
@@ -54,7 +57,14 @@ def worker_reload_fingerprints(worker, payload, in_place: bool, shuffle: int | N
     if shuffle is not None:
         random.Random(shuffle).shuffle(weights)
     if in_place:
-        assert reload_in_place(runner.model, weights), "the tiny model got no in-place plan"
+        assert cpu_reload.reload_in_place(runner.model, weights), \
+            "the tiny model got no in-place plan"
+    elif one_buffer:
+        cpu_reload._PLANS[runner.model] = None
+        try:
+            load_into_worker(worker, _through_one_buffer(weights))
+        finally:
+            del cpu_reload._PLANS[runner.model]
     else:
         runner.reload_weights(weights_iterator=iter(weights))
     _retie_lm_head(runner.model)
@@ -66,6 +76,14 @@ def worker_reload_fingerprints(worker, payload, in_place: bool, shuffle: int | N
             packed[name] = float(layer.cpu_linear(x, layer.weight, None).double().sum())
     params = {name: float(p.double().sum()) for name, p in runner.model.named_parameters()}
     return {"packed": packed, "params": params}
+
+
+def _through_one_buffer(weights: list[tuple[str, torch.Tensor]]):
+    buffer = torch.empty(max(t.nbytes for _, t in weights), dtype=torch.uint8)
+    for name, tensor in weights:
+        view = buffer[:tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        yield name, view
 
 
 def worker_staging_bytes(worker, payload) -> dict[str, int]:
@@ -395,13 +413,17 @@ def test_in_place_cpu_reload_equals_vllms_own(engine, loop, hf_model, restore):
     def payload(seed: int):
         return to_payload(_other_model(hf_model, seed).named_parameters())
 
-    def fingerprints(seed: int, in_place: bool) -> dict[str, dict[str, float]]:
-        (prints,) = loop.run_until_complete(
-            engine.collective_rpc(worker_reload_fingerprints, (payload(seed), in_place)))
+    def fingerprints(seed: int, in_place: bool, one_buffer: bool = False
+                     ) -> dict[str, dict[str, float]]:
+        (prints,) = loop.run_until_complete(engine.collective_rpc(
+            worker_reload_fingerprints, (payload(seed), in_place, None, None, one_buffer)))
         return prints
 
     by_vllm = fingerprints(7, in_place=False)
     other = fingerprints(8, in_place=True)
+    # vLLM's reload holds a layer's tensors until the layer is whole: given views into a buffer
+    # the next weight overwrites (a streamed receive), it must load copies
+    assert fingerprints(7, in_place=False, one_buffer=True) == by_vllm
     in_place = fingerprints(7, in_place=True)
     assert {"model.layers.0.self_attn.qkv_proj", "lm_head"} <= set(by_vllm["packed"])
     assert in_place == by_vllm
