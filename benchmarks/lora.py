@@ -518,6 +518,9 @@ def learn(args: argparse.Namespace, tmp: Path) -> list[str]:
               f"rolling reward {start + gain:.3f} (gain {gain:+.3f})", flush=True)
         print(f"learn {mode}: reward per step {' '.join(f'{x:.3f}' for x in rewards)}",
               flush=True)
+        lengths = run.column("response_length/mean")
+        print(f"learn {mode}: tokens per answer per step {' '.join(f'{x:.1f}' for x in lengths)}",
+              flush=True)
         lines.append(result_line(f"lora_smollm2_{mode}_reward_gain", gain, ">=", args.gain))
     return lines
 
