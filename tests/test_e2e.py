@@ -5,20 +5,15 @@ batch respects the mode's staleness bound (fully_async on an emulated three-node
 where no rendezvous may bind loopback), and so must ``algorithm=dapo`` while training on
 informative groups only, and so must ``algorithm=remax`` from an SFT warm start (its greedy
 baseline needs a policy that already answers); one_step_off runs on a real redis-server
-buffer; a run killed mid-training (SIGKILL of the whole process group) resumes from its
-checkpoint; a co-located hybrid run (learner and engine in one actor, weights swapped in place)
-learns, validates, checkpoints and resumes.
+buffer; a co-located hybrid run (learner and engine in one actor, weights swapped in place)
+learns, validates, checkpoints and resumes. A run killed mid-training (SIGKILL of the whole
+process group) resumes from its checkpoint in tests/test_partials_resume.py.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -209,28 +204,3 @@ def test_remax_learns_against_its_greedy_baseline(tmp_path: Path, tiny_model_dir
     print(f"remax: reward {first:.3f} -> {last:.3f}, greedy {greedy[0]:.3f} -> {greedy[-1]:.3f}")
     # From ~0.55 up: a policy collapsed onto one digit would earn ~0.1, so this reads the prompt.
     assert last > first + 0.1, rewards
-
-
-def test_killed_run_resumes_from_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
-    args = [*COMMON, f"model.path={tiny_model_dir}", "trainer.save_freq=2",
-            f"trainer.output_dir={tmp_path}"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamrl.cli", "train", *args, "trainer.total_steps=200"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    latest = tmp_path / "latest"
-    try:
-        deadline = time.monotonic() + 300
-        while not (latest.exists() and latest.read_text().strip().endswith("_4")):
-            assert proc.poll() is None, "training exited before its checkpoint at step 4"
-            assert time.monotonic() < deadline, "no checkpoint at step 4 within 300 s"
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # driver, Ray head and every actor: no clean-up
-        proc.wait()
-    saved = int(latest.read_text().strip().rsplit("_", 1)[1])
-    assert saved >= 4
-    cfg = load_config([*args, "trainer.resume=auto", f"trainer.total_steps={saved + 2}"])
-    result = run_training(cfg)
-    assert [h["step"] for h in result.history] == [saved + 1, saved + 2]
-    assert result.checkpoint is not None and result.checkpoint.endswith(f"_{saved + 2}")

@@ -198,18 +198,18 @@ def test_an_agent_episode_on_the_real_template(engine: Any, loop: Any, tokenizer
                                           tokenize=False))
 
 
-def test_a_serve_episode_through_the_openai_client(smollm2_dir: Path, tokenizer: Any) -> None:
+def test_a_serve_episode_through_the_openai_client(smollm2_dir: Path, engine: Any, loop: Any,
+                                                   tokenizer: Any) -> None:
     openai = pytest.importorskip("openai")
     from streamrl.buffer.memory import MemoryBuffer
-    from streamrl.rollout_fleet import make_engine
     from streamrl.types import OBSERVATION_VERSION
     from tests.support.serve import ServeHarness
 
     cfg = load_config(["model=smollm2-135m", f"model.path={smollm2_dir}",
                        "task.train_batch_size=2", "serve.max_tokens=48"])
+    assert cfg.rollout == load_config(["model=smollm2-135m"]).rollout  # the module's engine's
     buffer = MemoryBuffer(2, 1)
-    with ServeHarness(cfg, buffer, tokenizer,
-                      lambda: make_engine(cfg.rollout, str(smollm2_dir))) as h:
+    with ServeHarness(cfg, buffer, tokenizer, lambda: engine, loop=loop) as h:
         client = openai.OpenAI(base_url=f"{h.base_url}/v1", api_key="none", max_retries=0)
         messages: list[Any] = [{"role": "user", "content": QUESTION}]
         first = client.chat.completions.create(

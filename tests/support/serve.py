@@ -1,6 +1,9 @@
 """The serve stack in-process for tests: engine, replica, episode store, service and uvicorn on
 one event loop in a background thread (vLLM's AsyncLLM binds to the loop that built it), so a
-test talks to it over real HTTP with the official openai client."""
+test talks to it over real HTTP with the official openai client. Given ``loop`` (not running:
+a module's ``loop`` fixture), the stack runs on that loop instead of a new one, so a test can
+serve the engine its module built there (a real model's engine takes ~20 s to build); that
+engine stays open for its owner."""
 
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ from streamrl.serve.service import Service
 
 class ServeHarness:
     def __init__(self, cfg: Config, buffer: ReplayBuffer, tokenizer: Any,
-                 make_engine: Callable[[], RolloutEngine], api_key: str | None = None) -> None:
+                 make_engine: Callable[[], RolloutEngine], api_key: str | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.cfg = cfg
         self.buffer = buffer
         self.tokenizer = tokenizer
@@ -37,6 +41,7 @@ class ServeHarness:
         self.service: Service | None = None
         self.engine: RolloutEngine | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._borrowed = loop
         self._server: Any = None
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -68,7 +73,10 @@ class ServeHarness:
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._main())
+            if self._borrowed is not None:
+                self._borrowed.run_until_complete(self._main())
+            else:
+                asyncio.run(self._main())
         except BaseException as exc:  # surfaced by __enter__
             self._failed = exc
 
@@ -98,4 +106,5 @@ class ServeHarness:
         try:
             await self._server.serve()
         finally:
-            await self.engine.close()
+            if self._borrowed is None:
+                await self.engine.close()
