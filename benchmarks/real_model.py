@@ -82,8 +82,10 @@ def starting_reward(cfg: Config, prompts: int) -> tuple[float, float]:
     for prompt, completions in zip(chosen, asyncio.run(sample())):
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            # As the replica scores: rep-style rewards count over the run's token budget.
+            extra = {"max_new_tokens": cfg.rollout.max_new_tokens, **prompt.extra}
             score = compute_score(ScorerSpec(), prompt.data_source, text, prompt.ground_truth,
-                                  prompt.extra)
+                                  extra)
             rewards.append(float(score["score"] if isinstance(score, dict) else score))
             lengths.append(len(c.token_ids))
     return statistics.fmean(rewards), statistics.fmean(lengths)
