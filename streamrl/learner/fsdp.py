@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from streamrl.learner import varlen_attention
+from streamrl.learner.swiglu import use_fused_mlp
 from streamrl.weight_bus.base import NamedTensors
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -137,6 +138,7 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
     """Apply the parallelisms of ``spec`` to ``model`` in place, in this fixed order:
 
     1. activation checkpointing (HF's, non-reentrant; it must see the unsharded layer forward),
+       the recomputed layers' SwiGLU MLPs through ``swiglu.SwiGLU`` (less held in backward),
     2. ``fully_shard`` on every decoder layer (its params are gathered just for its forward),
     3. ``fully_shard`` on the root (embeddings, final norm, head; tied weights stay together),
        resharded as soon as a backward has passed the head and final norm
@@ -149,6 +151,7 @@ def parallelize(model: nn.Module, spec: MeshSpec) -> nn.Module:
     mesh = spec.build_mesh()
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        use_fused_mlp(model)  # its backward holds 2 [tokens, intermediate] tensors, not 6
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if spec.mixed_precision

@@ -21,7 +21,10 @@ Models that post-process logits after the head (soft-capping, scaling) or whose 
 bias-free ``nn.Linear`` take the logits path: full logits from the model, then
 ``algos.chunked_log_probs`` on them (no fp32 copy, no softmax kept; the logits and their
 gradient remain one [T, V] each).
-The forward hands the heap's free pages back before the model and before the head (memory.py).
+The head computes with its weight as an autograd leaf of its own (``_own_leaf``): a tied
+embedding's gradient from the head goes onto the parameter at once, not after the decoder
+backward. The forward hands the heap's free pages back before the model and before the head
+(memory.py).
 Depends on algos, batch (via the micro-batch), forward's ``MicroBatch`` and memory.
 """
 
@@ -150,7 +153,7 @@ def head_log_probs(
     def take_hidden(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         release_free_heap()  # the forward's, before the backward's peak (memory.py)
         hidden = args[0]
-        log_probs, entropy = token_log_probs(hidden, module.weight, labels, **kw)
+        log_probs, entropy = token_log_probs(hidden, _own_leaf(module.weight), labels, **kw)
         # A new tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.
         computed.append(torch.stack([log_probs] if entropy is None else [log_probs, entropy], -1))
         return (hidden[..., :0, :], *args[1:])  # the head itself multiplies nothing
@@ -172,6 +175,31 @@ def head_log_probs(
     if with_entropy:  # one output tensor: keep a metric entropy out of the graph
         entropy = out[..., 1] if entropy_grad else out[..., 1].detach()
     return out[..., 0], entropy
+
+
+def _own_leaf(weight: Tensor) -> Tensor:
+    """``weight`` as an autograd leaf of its own, whose gradient is added into ``weight.grad`` as
+    soon as the head's backward has made it.
+
+    A tied embedding is one leaf for the head and the embedding lookup: autograd sums a leaf's
+    gradients before accumulating them, so it held the head's (the backward's first, 108 MiB fp32
+    at SmolLM2) until the embedding's (its last) through the whole decoder backward, where a
+    step's peak is; accumulated at once, it is the only copy from the second micro-batch on
+    (with the root's reduce left to the last micro-batch, ``update_loop._reduce_root_grads``).
+    """
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return weight
+    leaf = weight.detach().requires_grad_()
+
+    def accumulate(leaf: Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if weight.grad is None:
+            weight.grad = grad
+        else:
+            weight.grad.add_(grad)
+
+    leaf.register_post_accumulate_grad_hook(accumulate)
+    return leaf
 
 
 def policy_log_probs(

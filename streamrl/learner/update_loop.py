@@ -9,10 +9,11 @@ Parts:
 - ``MetricAccumulator``: per-mini-batch sums (loss terms) and token-weighted means (clip
   fractions, KL), reduced across ranks in one all-reduce, then averaged over mini-batches.
 - ``run_update``: the loop. FSDP2 averages gradients over ranks, so each rank backpropagates
-  ``world_size x`` its (globally normalised) loss to get the exact sum. A non-finite loss or
-  gradient norm on any rank skips the optimizer step for everyone (weights and optimizer state
-  untouched) and is counted as ``<prefix>/skipped_steps``; a mini-batch without valid tokens
-  is skipped with a warning (``<prefix>/empty_minibatches``).
+  ``world_size x`` its (globally normalised) loss to get the exact sum; the root FSDP unit's
+  gradients are reduced once per mini-batch, after its last micro-batch (``_reduce_root_grads``).
+  A non-finite loss or gradient norm on any rank skips the optimizer step for everyone (weights
+  and optimizer state untouched) and is counted as ``<prefix>/skipped_steps``; a mini-batch
+  without valid tokens is skipped with a warning (``<prefix>/empty_minibatches``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from streamrl.learner.forward import MicroBatch
 
@@ -139,7 +141,8 @@ def run_update(
                 continue
             optimizer.zero_grad(set_to_none=True)
             finite = True
-            for mb in micros:
+            for i, mb in enumerate(micros):
+                _reduce_root_grads(model, i == len(micros) - 1)
                 loss = micro_loss(mb, counts, metrics)
                 finite = finite and bool(torch.isfinite(loss.detach()).item())
                 (loss * scale).backward()
@@ -166,6 +169,23 @@ def run_update(
     out[f"{prefix}/skipped_steps"] = float(skipped)
     out[f"{prefix}/empty_minibatches"] = float(empty)
     return out
+
+
+def _reduce_root_grads(model: nn.Module, now: bool) -> None:
+    """Whether this backward reduces the root FSDP unit's gradients (the last micro-batch of a
+    mini-batch), or leaves them to accumulate, unreduced, on its gathered parameters.
+
+    The root's gradient (embeddings and a tied head: 108 MiB fp32 at SmolLM2) is made first, by
+    the head's backward (``logprobs._own_leaf`` puts it on the parameter at once), and reduced
+    last, by the root's post-backward. Reduced at every micro-batch, from the second one on the
+    new gradient lived beside the reduced one through the whole decoder backward, where a step's
+    peak is; unreduced, it is added into the one kept. Only the root: a decoder layer's gradients
+    are small heap blocks that, kept from one micro-batch to the last one's reduce, leave holes
+    in the heap as large as the saving (docs/real-models.md, "FSDP2's copies at world size 1");
+    the root's is one mapping. With several ranks each holds the root's whole gradient from its
+    first micro-batch on instead of only during each backward, not at the peak."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(now, recurse=False)
 
 
 def _grad_norm(model: nn.Module, grad_clip: float) -> float:
