@@ -27,7 +27,6 @@ from streamrl.batch import Batch
 from streamrl.buffer.base import Admission
 from streamrl.config import Config
 from streamrl.errors import RunStopped
-from streamrl.learner.checkpoint import find_latest
 from streamrl.metrics import MetricsLogger, RolloutIdle, Timer, rollout_metrics
 from streamrl.runtime import LearnerGroup, Runtime, WeightBus, build_runtime
 from streamrl.runtime.supervisor import LearnerDied, first_line
@@ -276,6 +275,8 @@ class Controller:
         cfg = self.cfg
         path = None
         if cfg.trainer.resume == "auto":
+            from streamrl.learner.checkpoint import find_latest
+
             path = find_latest(cfg.trainer.output_dir)
         elif cfg.trainer.resume != "disable":
             path = cfg.trainer.resume
@@ -303,6 +304,8 @@ class Controller:
         """New learner ranks from the last checkpoint, up to runtime.max_restarts times; the
         replicas keep running (their in-flight groups newer than the checkpoint are refused at
         take, and their slots given back). Returns the version to go on from."""
+        from streamrl.learner.checkpoint import find_latest
+
         limit = self.cfg.runtime.max_restarts
         path = find_latest(self.cfg.trainer.output_dir)
         if self.learner.respawn is None:

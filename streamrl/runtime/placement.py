@@ -50,6 +50,16 @@ def worker_env_vars(cfg: Config) -> dict[str, str]:
     passed = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
     return {**WORKER_ENV, **passed, **worker_env(cfg.trainer.log_level)}
 POOL_READY_TIMEOUT_S = 120
+LOCAL_RAY_SYSTEM_CONFIG = {
+    # Ray prestarts one idle worker per CPU for tasks; the run places actors only, each in a
+    # process of its own, so those workers only took CPU from the start-up's imports.
+    "enable_worker_prestart": False,
+    "prestart_worker_first_driver": False,
+    # Ray starts at most num_cpus workers at once (2 on a small machine): the learner rank's
+    # process waited for the buffer's and the replica's to come up. The run starts its few
+    # actors together.
+    "worker_maximum_startup_concurrency": 16,
+}
 
 
 def init_ray(cfg: Config) -> bool:
@@ -57,14 +67,17 @@ def init_ray(cfg: Config) -> bool:
     if ray.is_initialized():
         return False
     on_sigterm = signal.getsignal(signal.SIGTERM)
+    own = cfg.runtime.address is None
     ray.init(
         # Unset: a cluster of the run's own. Ray's default (None) would join any cluster that
         # `ray start` or another test left on this machine, whose addresses are not loopback.
         address=cfg.runtime.address or "local",
-        num_cpus=cfg.runtime.num_cpus if cfg.runtime.address is None else None,
+        num_cpus=cfg.runtime.num_cpus if own else None,
         include_dashboard=False,
         log_to_driver=True,
         runtime_env={"env_vars": worker_env_vars(cfg)},
+        # Only a cluster of the run's own takes raylet settings (one joined has its own).
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG if own else None,
     )
     # Ray's core worker replaces the driver's SIGTERM handler with one that aborts the process
     # (no clean-up, orphans left): keep the caller's (the CLI unwinds and stops every actor).
