@@ -275,6 +275,7 @@ class Controller:
         cfg = self.cfg
         path = None
         if cfg.trainer.resume == "auto":
+            # Here, not at the top: it imports torch.distributed.checkpoint, ~1 s of start-up.
             from streamrl.learner.checkpoint import find_latest
 
             path = find_latest(cfg.trainer.output_dir)
