@@ -459,13 +459,9 @@ class Replica:
                 await self._wait_changed(self.admit_backoff_s)
                 continue
             self._credits -= 1
-            if self._held():
-                self.counters.held_for_weights += 1
-                while self._held() and not self._stopping:
-                    await self._wait_changed(self.admit_backoff_s)
-                if self._stopping:
-                    await self._give_back()
-                    break
+            if not await self._unheld():
+                await self._give_back()
+                break
             try:
                 live = self._pick()
             except Exception:
@@ -482,6 +478,14 @@ class Replica:
         """No group may start: weights were received and not loaded, or an update began (the
         claim was under way when it did): a group must not start on weights it outlives."""
         return self._updating > 0 or self.weights_pending()
+
+    async def _unheld(self) -> bool:
+        """Wait while ``_held``; False if the replica began stopping meanwhile."""
+        if self._held():
+            self.counters.held_for_weights += 1
+            while self._held() and not self._stopping:
+                await self._wait_changed(self.admit_backoff_s)
+        return not self._stopping
 
     async def _wait_changed(self, timeout: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -622,6 +626,9 @@ class Replica:
         prompt, group_id = live.prompt, live.group_id
         settled = False  # a put or give-back of this group's admission is under way
         try:
+            # Checked again: an update may have begun after the loop's check and before this
+            # task's first step (a stopping replica goes on: a cancel stops its first request).
+            await self._unheld()
             sample = (self._single_turn(prompt, live) if self.agent is None
                       else self._episodes(prompt, group_id))
             if self.rollout.greedy_baseline:

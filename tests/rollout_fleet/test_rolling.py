@@ -184,6 +184,40 @@ def test_rolling_keeps_the_staleness_bound_exact():
         "no group spanned a swap: the test did not exercise in-flight updates"
 
 
+def test_an_update_begun_before_the_groups_first_step_holds_the_group():
+    """The loop checks for an update, then makes the group's task; an update can begin before
+    that task's first step (the learner publishes in between). The group must wait for the new
+    weights all the same: here the update is scheduled from inside the prompt draw, so it runs
+    first every time."""
+    async def scenario():
+        buffer = MemoryBuffer(groups_per_step=B, max_staleness=ETA)
+        tokens = SwapTokens(k=1, timeout_s=30.0)
+        engine = PacedEngine(buffer, tokens=4, ragged=0)
+        replica = make_replica(engine, buffer, tokens, "replica-0")
+        stream, updates = replica.prompts, []
+        draw = stream.next
+
+        def next_and_publish():
+            prompt = draw()
+            if not updates:
+                updates.append(asyncio.ensure_future(replica.update_weights([], 1, "rolling")))
+            return prompt
+
+        stream.next = next_and_publish  # type: ignore[method-assign]
+        replica.start()
+        try:
+            while not updates:
+                await asyncio.sleep(0.001)
+            await asyncio.wait_for(updates[0], 5)
+            while not engine.starts:
+                await asyncio.sleep(0.001)
+        finally:
+            await replica.stop(cancel=True)
+        return engine.starts[0][0]
+
+    assert asyncio.run(scenario()) == 1, "the group's request started on the old weights"
+
+
 def test_a_replica_waiting_for_its_turn_claims_no_slot():
     """Its groups in flight finish and are put, but it claims no slot for a next one (the
     swapped replicas get them) until its own swap is done."""
