@@ -247,6 +247,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, inputs: Tensor, weight: Tensor | None, labels: Tensor, temperature: float,
         chunk_rows: int, with_entropy: bool, entropy_grad: bool, top_k: int, top_p: float,
+        weight_grad_into: Callable[[], Tensor | None] | None,
     ) -> tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         dtype = torch.float64 if inputs.dtype == torch.float64 else torch.float32
@@ -273,7 +274,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             ctx.mark_non_differentiable(entropy)
         ctx.save_for_backward(inputs, weight, labels, lse, entropy)
         ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
-        ctx.top_k, ctx.top_p = top_k, top_p
+        ctx.top_k, ctx.top_p, ctx.weight_grad_into = top_k, top_p, weight_grad_into
         return log_probs, entropy
 
     @staticmethod
@@ -282,12 +283,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> tuple[Tensor | None, ...]:
         inputs, weight, labels, lse, entropy = ctx.saved_tensors
         need_inputs, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        none = (None,) * 7
+        none = (None,) * 8
         if grad_lp is None and grad_ent is None:
             return None, None, *none
         grad_inputs = torch.empty_like(inputs) if need_inputs else None
-        grad_weight = (torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, ctx.dtype))
-                       if need_weight else None)
+        grad_weight, added_in_place = None, False
+        if need_weight:
+            dtype = torch.promote_types(weight.dtype, ctx.dtype)
+            into = ctx.weight_grad_into() if ctx.weight_grad_into is not None else None
+            added_in_place = (into is not None and into.dtype == dtype
+                              and into.shape == weight.shape)
+            grad_weight = into if added_in_place else torch.zeros_like(weight, dtype=dtype)
         for rows in _row_slices(inputs.shape[0], ctx.chunk_rows):
             z, owned = _chunk_logits(inputs, weight, rows, ctx.temperature, ctx.dtype, ctx.top_k,
                                      ctx.top_p, labels[rows])
@@ -318,6 +324,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 if grad_weight is not None:
                     _accumulate_outer(grad_weight, grad, inputs[rows])
             del grad
+        if added_in_place:
+            return grad_inputs, None, *none
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_inputs, grad_weight, *none
@@ -334,6 +342,7 @@ def chunked_log_probs(
     chunk_rows: int = 1024,
     top_k: int = -1,
     top_p: float = 1.0,
+    weight_grad_into: Callable[[], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(log_softmax(z / temperature)[label], entropy of softmax(z / temperature) or None) per
     position, fp32 (fp64 for fp64 inputs), where z = ``inputs`` [..., vocab] when ``weight`` is
@@ -346,6 +355,9 @@ def chunked_log_probs(
     autograd graph keeps only the inputs and two O(rows) vectors, never a [rows, vocab] tensor,
     and the fused form never builds z for all rows at all. The entropy is differentiable only
     with ``entropy_grad`` (a metric otherwise: no graph, no backward work).
+    ``weight_grad_into``: asked in backward for a tensor the weight's gradient is added into
+    in place (one of that gradient's dtype and shape; autograd then gets none for ``weight``),
+    e.g. the gradient micro-batches accumulate: no second [vocab, H] buffer for it.
     Differs from verl: verl keeps bf16 results in bf16; fp32 keeps the PPO ratio exact.
     """
     if inputs.shape[:-1] != labels.shape:
@@ -357,7 +369,7 @@ def chunked_log_probs(
     flat = inputs.reshape(-1, inputs.shape[-1])
     log_probs, entropy = _ChunkedLogProbs.apply(
         flat, weight, labels.reshape(-1).long(), float(temperature), chunk_rows, with_entropy,
-        entropy_grad, int(top_k), float(top_p),
+        entropy_grad, int(top_k), float(top_p), weight_grad_into,
     )
     return log_probs.reshape(labels.shape), (entropy.reshape(labels.shape) if with_entropy
                                              else None)

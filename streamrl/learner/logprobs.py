@@ -23,14 +23,15 @@ bias-free ``nn.Linear`` take the logits path: full logits from the model, then
 gradient remain one [T, V] each).
 The head computes with its weight as an autograd leaf of its own (``_own_leaf``): a tied
 embedding's gradient from the head goes onto the parameter at once, not after the decoder
-backward. The forward hands the heap's free pages back before the model and before the head
-(memory.py).
+backward; from the second micro-batch on the head's backward adds into it in place. The
+forward hands the heap's free pages back before the model and before the head (memory.py).
 Depends on algos, batch (via the micro-batch), forward's ``MicroBatch`` and memory.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,10 +91,13 @@ def token_log_probs(
     top_p: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    weight_grad_into: Callable[[], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """(log_softmax(hidden @ weight.T / temperature)[label], entropy or None), each
     ``labels.shape`` fp32, over the top-k / top-p set when they are on; the entropy carries
-    gradients only with ``entropy_grad``. liger has no truncation: the torch backend then."""
+    gradients only with ``entropy_grad``. liger has no truncation: the torch backend then,
+    which adds the weight's gradient into ``weight_grad_into()`` where that gives a tensor
+    (``algos.chunked_log_probs``)."""
     liger = _liger(hidden.device.type) if top_k <= 0 and top_p >= 1.0 else None
     if liger is not None:
         try:
@@ -112,7 +116,7 @@ def token_log_probs(
     return algos.chunked_log_probs(
         hidden, labels, weight, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, chunk_rows=_chunk_rows(weight.shape[0]), top_k=top_k,
-        top_p=top_p,
+        top_p=top_p, weight_grad_into=weight_grad_into,
     )
 
 
@@ -153,7 +157,9 @@ def head_log_probs(
     def take_hidden(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         release_free_heap()  # the forward's, before the backward's peak (memory.py)
         hidden = args[0]
-        log_probs, entropy = token_log_probs(hidden, _own_leaf(module.weight), labels, **kw)
+        leaf, grad_into = _own_leaf(module.weight)
+        log_probs, entropy = token_log_probs(hidden, leaf, labels, weight_grad_into=grad_into,
+                                             **kw)
         # A new tensor, not a view: FSDP2 hooks the root's outputs for its pre-backward.
         computed.append(torch.stack([log_probs] if entropy is None else [log_probs, entropy], -1))
         return (hidden[..., :0, :], *args[1:])  # the head itself multiplies nothing
@@ -177,9 +183,10 @@ def head_log_probs(
     return out[..., 0], entropy
 
 
-def _own_leaf(weight: Tensor) -> Tensor:
+def _own_leaf(weight: Tensor) -> tuple[Tensor, Callable[[], Tensor | None] | None]:
     """``weight`` as an autograd leaf of its own, whose gradient is added into ``weight.grad`` as
-    soon as the head's backward has made it.
+    soon as the head's backward has made it; and the getter of ``weight.grad`` for a backward
+    that adds into it directly (a later micro-batch's: no [vocab, H] buffer of its own).
 
     A tied embedding is one leaf for the head and the embedding lookup: autograd sums a leaf's
     gradients before accumulating them, so it held the head's (the backward's first, 108 MiB fp32
@@ -188,18 +195,20 @@ def _own_leaf(weight: Tensor) -> Tensor:
     (with the root's reduce left to the last micro-batch, ``update_loop._reduce_root_grads``).
     """
     if not (torch.is_grad_enabled() and weight.requires_grad):
-        return weight
+        return weight, None
     leaf = weight.detach().requires_grad_()
 
     def accumulate(leaf: Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if grad is None:  # the head's backward added it into weight.grad itself
+            return
         if weight.grad is None:
             weight.grad = grad
         else:
             weight.grad.add_(grad)
 
     leaf.register_post_accumulate_grad_hook(accumulate)
-    return leaf
+    return leaf, lambda: weight.grad
 
 
 def policy_log_probs(

@@ -176,3 +176,27 @@ def test_token_log_probs_backward_holds_one_chunk(monkeypatch: pytest.MonkeyPatc
                                                                               "rtol": 0.02}
     for a, b in zip(got, [ref_hidden.grad, ref_weight.grad]):
         torch.testing.assert_close(a.float(), b, **tolerance)
+
+
+def test_token_log_probs_backward_adds_into_a_gradient_in_place(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later micro-batch: the head's gradient is added into the one accumulating (what
+    ``weight_grad_into`` gives), with no [V, H] buffer of its own and none left for autograd."""
+    T, H, V, rows = 256, 64, 8192, 32
+    chunk = rows * V * 4
+    monkeypatch.setattr(logprobs, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(logprobs, "MIN_CHUNK_ROWS", rows)
+    torch.manual_seed(0)
+    hidden = torch.randn(T, H).requires_grad_()
+    weight = (torch.randn(V, H) / H).requires_grad_()
+    labels = torch.randint(0, V, (T,))
+    earlier = torch.randn(V, H)
+    accumulating = earlier.clone()
+    log_probs, _ = token_log_probs(hidden, weight, labels, temperature=0.7,
+                                   weight_grad_into=lambda: accumulating)
+    assert peak_live_bytes(log_probs.sum().backward) <= hidden.nbytes + chunk + chunk // 4
+    assert weight.grad is None
+    ref_hidden, ref_weight = (t.detach().requires_grad_() for t in (hidden, weight))
+    token_log_probs(ref_hidden, ref_weight, labels, temperature=0.7)[0].sum().backward()
+    torch.testing.assert_close(accumulating, earlier + ref_weight.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad)

@@ -206,7 +206,7 @@ def test_update_with_fused_mlp_and_one_root_reduce_equals_autograd(
         return grads, fused, reduced, head_grad
 
     monkeypatch.setattr(fsdp, "use_fused_mlp", lambda model: 0)
-    monkeypatch.setattr(logprobs, "_own_leaf", lambda weight: weight)
+    monkeypatch.setattr(logprobs, "_own_leaf", lambda weight: (weight, None))
     monkeypatch.setattr(update_loop, "_reduce_root_grads", lambda model, now: None)
     reference, autograd_mlp, reduced_each, held = grads_and_states(tmp_path / "before")
     monkeypatch.undo()
