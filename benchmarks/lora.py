@@ -89,11 +89,11 @@ WINDOW_S = 2.0
 """Length of each measured window (after a publish starts, and the baseline before it)."""
 PROMPT_LEN = 16
 LEARN = ["model=smollm2-135m", "task=toy", "task.name=rep", "rollout.max_new_tokens=2",
-         "actor.entropy_coeff=0.01", "model.gradient_checkpointing=false"]
+         "actor.entropy_coeff=0.03", "model.gradient_checkpointing=false"]
 """The learn section's task: the toy task (``d=`` -> ``dd``) on SmolLM2, 2 tokens (a step ~6 s
 here, 19 s at 8). Without the entropy bonus the policy collapsed onto one answer for every
 prompt within ~10 steps (entropy 4.0 -> 0.06; reward ~0.1, where GRPO's groups stop
-differing): docs/lora.md."""
+differing); at 0.01 fully_async still collapsed, at 0.03 neither mode did: docs/lora.md."""
 LEARN_LR = 1e-3
 
 
