@@ -11,7 +11,8 @@ token is configured, for a request a web page could have sent (a Host or Origin 
 loopback, a POST that is not ``application/json``); 404 for an unknown episode; 409 for a call
 on an episode whose previous call is still running; 413 for a body over
 ``serve.max_body_bytes`` (read no further than the limit); 429 with ``Retry-After`` when
-opening an episode would pass the staleness bound, 429 when a client holds
+opening an episode would pass the staleness bound (and ``retry-after-ms``, the exact wait,
+which the openai client reads first), 429 when a client holds
 ``serve.max_episodes_per_client`` open episodes; 503 while shutting down, or when the buffer
 refuses a put (the episode is kept: retry the close). Bodies are JSON decoded by msgspec into
 typed structs: nothing is ever unpickled.
@@ -30,6 +31,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -64,8 +66,14 @@ def _error(status: int, message: str, kind: str, headers: dict[str, str] | None 
                         headers=headers)
 
 
+def _retry_after(seconds: float) -> dict[str, str]:
+    """HTTP's Retry-After takes whole seconds (rounded up here, never sooner than asked);
+    ``retry-after-ms`` carries a finer wait to the clients that read it (openai's, first)."""
+    return {"Retry-After": str(math.ceil(seconds)), "retry-after-ms": str(round(seconds * 1000))}
+
+
 def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
-               retry_after_s: int, learner_version: Callable[[], Awaitable[int | None]]
+               retry_after_s: float, learner_version: Callable[[], Awaitable[int | None]]
                ) -> FastAPI:
     app = FastAPI(title="streamrl serve", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {api_key}".encode() if api_key else None
@@ -104,10 +112,10 @@ def create_app(service: Service, *, api_key: str | None, max_body_bytes: int,
             service.metrics.at_capacity.inc()
             return _error(429, "at the staleness bound: no episode may open until the trainer "
                           "consumes more; retry later", "rate_limit_error",
-                          {"Retry-After": str(retry_after_s)})
+                          _retry_after(retry_after_s))
         except BufferUnavailable as exc:
             service.metrics.errors.labels("503").inc()
-            return _error(503, str(exc), "unavailable", {"Retry-After": str(retry_after_s)})
+            return _error(503, str(exc), "unavailable", _retry_after(retry_after_s))
         except (_ClientGone, ClientDisconnect):
             service.metrics.client_gone.inc()
             return Response(status_code=499)  # nobody reads it

@@ -187,6 +187,9 @@ def test_429_at_the_staleness_bound(served):
     with pytest.raises(openai.RateLimitError) as refused:
         c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                   max_tokens=2, extra_headers={"X-Episode-Id": "b-over"})
+    # serve.retry_after_s (0.2 s): exact for the clients that read it (openai's), whole
+    # seconds rounded up for HTTP's header.
+    assert refused.value.response.headers["retry-after-ms"] == "200"
     assert refused.value.response.headers["Retry-After"] == "1"
     # An episode already open still continues at the bound.
     c.chat.completions.create(model="tiny", max_tokens=2, extra_headers={

@@ -46,9 +46,12 @@ def ray_local() -> Iterator[object]:
     """A local Ray of 2 CPUs, its workers in the engines' environment; the ``ray`` module."""
     import ray
 
-    from streamrl.runtime.placement import WORKER_ENV
+    from streamrl.runtime.placement import LOCAL_RAY_SYSTEM_CONFIG, WORKER_ENV
 
+    # The raylet settings of a run's own cluster (init_ray): no idle workers prestarted to
+    # compete with the first actors' imports.
     ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": dict(WORKER_ENV)})
+             runtime_env={"env_vars": dict(WORKER_ENV)},
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     yield ray
     ray.shutdown()
