@@ -262,9 +262,10 @@ class ReplicaActor:
             # Where rollout and learning overlap, it stays off the learner's core, whose
             # update bounds the step.
             os.sched_setaffinity(0, cores)
-        self.scorer = make_reward_scorer(cfg.reward, self.reward_servers)
         self.source = make_prompt_source(cfg.task, self.tokenizer, "train")
         self.val_source = make_prompt_source(cfg.task, self.tokenizer, "val")
+        sources = {p.data_source for prompts in (self.source, self.val_source) for p in prompts}
+        self.scorer = make_reward_scorer(cfg.reward, self.reward_servers, tuple(sorted(sources)))
         self.prompts = self._prompt_stream(cursor=0)
         self.replica = Replica(self.engine, self.buffer, self.prompts, self.scorer, self.tokenizer,
                                cfg.rollout, name=f"replica-{self.index}",

@@ -379,6 +379,28 @@ def test_auto_pool_scores_builtin_sources():
         assert s.metrics()["failures"] == 1.0
 
 
+def test_the_warm_up_imports_only_the_scorers_of_the_tasks_sources():
+    """A worker starts with its task's scorers imported (a first call is not charged for them),
+    and with no others: math_verify and reasoning_gym cost seconds at every replica start."""
+    import subprocess
+    import sys
+
+    probe = textwrap.dedent("""
+        import sys
+        from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec, warmup
+        heavy = lambda: ["math_verify" in sys.modules, "reasoning_gym" in sys.modules]
+        warmup(ScorerSpec(sources=("toy/rep",)))
+        print(heavy())
+        warmup(ScorerSpec(sources=("toy/rep", "reasoning_gym/leg_counting")))
+        print(heavy())
+        warmup(ScorerSpec(sources=("unknown/source",)))  # not known: every scorer's
+        print(heavy())
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")
+    assert out[:3] == ["[False, False]", "[False, True]", "[True, True]"], out
+
+
 def test_bad_custom_path_fails_at_construction(tmp_path):
     bad = tmp_path / "r.py"
     bad.write_text("def other(*a): return 1.0\n")

@@ -36,15 +36,18 @@ __all__ = [
 ]
 
 
-def make_reward_scorer(cfg: RewardConfig, servers: Mapping[str, Any] | None = None) -> Any:
+def make_reward_scorer(cfg: RewardConfig, servers: Mapping[str, Any] | None = None,
+                       sources: tuple[str, ...] = ()) -> Any:
     """The scorer ``cfg.kind`` describes; ``servers``: ``start_reward_servers(cfg)``'s handles
-    (needed for ``model`` and ``judge``). One kind of weight 1 is that kind's scorer itself."""
+    (needed for ``model`` and ``judge``); ``sources``: the task's data sources, when known (the
+    rule workers then import only their scorers). One kind of weight 1 is that kind's scorer
+    itself."""
     kinds = cfg.kinds
     weights = cfg.weights or (1.0,) * len(kinds)
     parts: list[tuple[str, float, Any]] = []
     try:
         for kind, weight in zip(kinds, weights, strict=True):
-            parts.append((kind, float(weight), _one_scorer(cfg, kind, servers or {})))
+            parts.append((kind, float(weight), _one_scorer(cfg, kind, servers or {}, sources)))
     except Exception:
         for _, _, part in parts:
             part.close()
@@ -54,11 +57,12 @@ def make_reward_scorer(cfg: RewardConfig, servers: Mapping[str, Any] | None = No
     return WeightedScorer(parts)
 
 
-def _one_scorer(cfg: RewardConfig, kind: str, servers: Mapping[str, Any]) -> Any:
+def _one_scorer(cfg: RewardConfig, kind: str, servers: Mapping[str, Any],
+                sources: tuple[str, ...]) -> Any:
     if kind == "rule":
         # Beside reward.kind=custom, the rule part keeps to the built-in scorers.
         rule_cfg = dataclasses.replace(cfg, custom_path=None) if "custom" in cfg.kinds else cfg
-        return RewardScorer(rule_cfg)
+        return RewardScorer(rule_cfg, sources=sources)
     if kind == "custom":
         return RewardScorer(dataclasses.replace(cfg, name="custom"))
     if kind not in servers:

@@ -48,6 +48,9 @@ class ScorerSpec:
     name: str = "auto"
     custom_path: str | None = None
     custom_name: str = "compute_score"
+    sources: tuple[str, ...] = ()
+    """The data sources the task's prompts carry, when known: the warm-up imports only their
+    scorers (none of the heavy libraries for the toy task). Empty: every built-in scorer's."""
 
     @property
     def uses_custom(self) -> bool:
@@ -131,11 +134,24 @@ def warmup(spec: ScorerSpec) -> int:
 
         assert spec.custom_path is not None
         load_custom_function(spec.custom_path, spec.custom_name)
-    if spec.name in ("auto", "math_verify"):
+    names = _scorers_used(spec)
+    if names & {"auto", "math_verify"}:
         import math_verify  # noqa: F401
-    if spec.name in ("auto", "reasoning_gym"):
+    if names & {"auto", "reasoning_gym"}:
         import reasoning_gym  # noqa: F401
     return os.getpid()
+
+
+def _scorers_used(spec: ScorerSpec) -> set[str]:
+    """The built-in scorers ``spec`` will call; {"auto"} where that is not known."""
+    if spec.uses_custom:
+        return set()
+    if spec.name != "auto" or not spec.sources:
+        return {spec.name}
+    try:
+        return {scorer_for(spec.name, source) for source in spec.sources}
+    except ValueError:  # a source no scorer takes: its calls say so
+        return {"auto"}
 
 
 def score_in_worker(

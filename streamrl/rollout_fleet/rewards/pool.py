@@ -93,7 +93,8 @@ class _Worker:
 class RewardScorer:
     """Scores responses with the reward ``cfg`` selects; see the module docstring."""
 
-    def __init__(self, cfg: RewardConfig, *, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, cfg: RewardConfig, *, sources: tuple[str, ...] = (),
+                 start_timeout_s: float = 120.0) -> None:
         if cfg.num_workers < 1:
             raise ValueError(f"reward.num_workers={cfg.num_workers}: must be >= 1")
         if cfg.timeout_s <= 0:
@@ -103,7 +104,7 @@ class RewardScorer:
         if cfg.name == "custom" and not cfg.custom_path:
             raise ValueError("reward.custom_path: required with reward.name=custom")
         self.cfg = cfg
-        self.spec = ScorerSpec(cfg.name, cfg.custom_path, cfg.custom_name)
+        self.spec = ScorerSpec(cfg.name, cfg.custom_path, cfg.custom_name, sources)
         self._ctx = _mp_context()
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
