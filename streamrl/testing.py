@@ -10,7 +10,8 @@ Also what tests and benchmarks share: the one Group/Trajectory factory (``make_t
 ``make_group`` with chosen versions, ``random_groups`` with ragged random tokens),
 ``redis_server`` (a real redis-server on a free loopback port), ``CountingEngine`` (a real
 engine counting the tokens it samples), ``ResidentMemory`` (this process's resident set and its
-high-water mark, Linux) and ``result_line`` (the ``RESULT`` line every benchmark ends with).
+high-water mark, Linux), ``result_line`` (the ``RESULT`` line every benchmark ends with) and
+``SMOLLM2_REP`` (the LoRA learning runs' task, in ``benchmarks/lora.py`` and its test).
 """
 
 from __future__ import annotations
@@ -305,6 +306,14 @@ def _status_mib(field: str) -> float:
     if match is None:
         raise RuntimeError(f"/proc/self/status has no {field} line")
     return int(match.group(1)) / 1024
+
+
+SMOLLM2_REP = ("model=smollm2-135m", "task=toy", "task.name=rep", "rollout.max_new_tokens=2",
+               "actor.entropy_coeff=0.03", "model.gradient_checkpointing=false")
+"""The toy task (``d=`` -> ``dd``) on SmolLM2, 2 tokens (a step ~6 s here, 19 s at 8). Without
+the entropy bonus the policy collapsed onto one answer for every prompt within ~10 steps
+(entropy 4.0 -> 0.06; reward ~0.1, where GRPO's groups stop differing); at 0.01 fully_async
+still collapsed, at 0.03 neither mode did: docs/lora.md."""
 
 
 def result_line(name: str, value: float, op: str, goal: float, met: bool | None = None,

@@ -116,7 +116,7 @@ from streamrl.rollout_fleet.partials import (
     snapshot_of,
     usable,
 )
-from streamrl.rollout_fleet.rewards.prompt import PROMPT_KEY, reward_prompt
+from streamrl.rollout_fleet.rewards.prompt import scoring_extra
 from streamrl.types import Group, Trajectory, fits_float32, new_uid
 
 logger = logging.getLogger(__name__)
@@ -687,7 +687,7 @@ class Replica:
         completions = await self._sample_with_retries(
             prompt.prompt_ids, self._params_for(prompt), group_id, f"prompt {prompt.index}",
             saved=live.saved, track=live.record)
-        extra_info = self._extra_info(prompt)  # once per group: it decodes the prompt
+        extra_info = self._scoring_extra(prompt)  # once per group: it decodes the prompt
         gen_s = time.perf_counter() - start
         return list(await asyncio.gather(
             *(self._trajectory(prompt, group_id, c, gen_s, extra_info) for c in completions)))
@@ -698,7 +698,7 @@ class Replica:
         params = dataclasses.replace(self._params_for(prompt), n=1, temperature=0.0)
         (c,) = await self._sample_with_retries(prompt.prompt_ids, params, f"{group_id}-greedy",
                                                f"the greedy baseline of prompt {prompt.index}")
-        reward, _ = await self._score(prompt, c, self._extra_info(prompt))
+        reward, _ = await self._score(prompt, c, self._scoring_extra(prompt))
         return reward
 
     async def _episodes(self, prompt: PromptLike, group_id: str) -> list[Trajectory]:
@@ -861,11 +861,8 @@ class Replica:
             return self.params
         return dataclasses.replace(self.params, max_tokens=int(budget))
 
-    def _extra_info(self, prompt: PromptLike) -> dict[str, Any]:
-        """What the scorer gets beside the response: rep-style rewards count over the token
-        budget; prompt fields take precedence; reward models and judges read the prompt."""
-        return {"max_new_tokens": self.rollout.max_new_tokens, **prompt.extra,
-                PROMPT_KEY: reward_prompt(prompt, self.tokenizer)}
+    def _scoring_extra(self, prompt: PromptLike) -> dict[str, Any]:
+        return scoring_extra(prompt, self.rollout.max_new_tokens, self.tokenizer)
 
     async def _score(self, prompt: PromptLike, c: Completion, extra_info: dict[str, Any]
                      ) -> tuple[float, dict[str, float]]:

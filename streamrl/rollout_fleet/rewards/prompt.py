@@ -44,3 +44,10 @@ def reward_prompt(prompt: Any, tokenizer: Any) -> PromptLike:
     if messages:
         return list(messages)
     return str(tokenizer.decode(prompt.prompt_ids, skip_special_tokens=True))
+
+
+def scoring_extra(prompt: Any, max_new_tokens: int, tokenizer: Any) -> dict[str, Any]:
+    """What a scorer gets beside the response to ``prompt``: rep-style rewards count over the
+    token budget; prompt fields take precedence; reward models and judges read the prompt."""
+    return {"max_new_tokens": max_new_tokens, **prompt.extra,
+            PROMPT_KEY: reward_prompt(prompt, tokenizer)}
