@@ -19,7 +19,7 @@ __all__ = ["Completion", "RolloutEngine", "SamplingParams", "load_user_code", "m
 
 def make_engine(
     rollout: RolloutConfig, model_path: str, tokenizer: Any = None, *, version: int = 0,
-    in_process: bool = False, lora: LoraConfig | None = None,
+    in_process: bool = False, lora: LoraConfig | None = None, threads: int | None = None,
 ) -> RolloutEngine:
     """Build the engine ``rollout.backend`` names for the HF model at ``model_path``.
 
@@ -29,7 +29,9 @@ def make_engine(
     ``tokenizer`` may be a tokenizer directory (used by vLLM) or a loaded tokenizer (ignored by
     the engines, which load their own from ``model_path``). Building a vLLM engine blocks while
     it starts (its engine-core process, or its thread in process: tens of seconds on CPU).
-    ``lora`` (vLLM only): serve weight versions as LoRA adapters of that shape.
+    ``lora`` (vLLM only): serve weight versions as LoRA adapters of that shape. ``threads``
+    (vLLM): the engine's torch threads, a replica's ``runtime.cpus_per_replica`` (None: one in
+    process, ``OMP_NUM_THREADS`` in an engine-core process).
     """
     import torch
 
@@ -38,14 +40,14 @@ def make_engine(
         from streamrl.rollout_fleet.vllm_inproc_engine import InprocVLLMEngine
 
         return InprocVLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path,
-                                version=version, lora=lora)
+                                version=version, threads=threads or 1, lora=lora)
     if in_process:
         raise ValueError(f"rollout.backend={rollout.backend!r}: only vLLM runs in process")
     if rollout.backend == "vllm":
         from streamrl.rollout_fleet.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, rollout, tokenizer_path=tokenizer_path, version=version,
-                          lora=lora)
+                          threads=threads, lora=lora)
     if rollout.backend == "hf":
         from streamrl.rollout_fleet.hf_engine import HFEngine
 

@@ -296,7 +296,8 @@ class ReplicaActor:
         adapters = lora.publishes_adapter(self.cfg.rollout.backend, self.cfg.weight_bus.backend)
         return make_engine(self.cfg.rollout, self.model_path, self.cfg.model.tokenizer_path,
                            in_process=engine_in_process(self.cfg),
-                           lora=lora if adapters else None)
+                           lora=lora if adapters else None,
+                           threads=threads_per(self.cfg, "replica"))
 
     async def connect_bus(self, endpoint: str) -> None:
         """Receive weights from the publisher at ``endpoint``, leaving any earlier one (a

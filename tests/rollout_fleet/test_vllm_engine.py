@@ -7,6 +7,7 @@ loads, the pause swap's exact version stamps; worker functions through collectiv
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -401,6 +402,31 @@ def test_collective_rpc_runs_module_functions_in_the_worker(engine, loop, hf_mod
     assert stats[2] == pytest.approx(float(embedding.double().sum()), rel=1e-6, abs=1e-4)
     with pytest.raises(ValueError, match="module-level function"):
         loop.run_until_complete(engine.collective_rpc(lambda worker: 0))
+
+
+def worker_torch_threads(worker) -> int:
+    return torch.get_num_threads()
+
+
+def test_the_engine_core_process_runs_the_threads_it_is_given(tiny_model_dir, loop, monkeypatch):
+    """A replica's ``runtime.cpus_per_replica`` threads reach its engine-core process (spawned,
+    as vLLM does from a Ray actor), and this process's environment is left as it was."""
+    from streamrl.config import RolloutConfig
+    from streamrl.rollout_fleet import make_engine
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    async def build():
+        return make_engine(RolloutConfig(backend="vllm", max_model_len=512), str(tiny_model_dir),
+                           threads=2)
+
+    engine = loop.run_until_complete(build())
+    try:
+        assert loop.run_until_complete(engine.collective_rpc(worker_torch_threads)) == [2]
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        loop.run_until_complete(engine.close())
 
 
 def test_in_place_cpu_reload_equals_vllms_own(engine, loop, hf_model, restore):
