@@ -2,7 +2,8 @@
 in a child process) and ``InprocVLLMEngine`` (LLMEngine in this process, the co-located hybrid
 worker's). Sampling, behaviour log-probs against a teacher-forced HF recompute, abort, weight
 loads, the pause swap's exact version stamps; worker functions through collective_rpc
-(VLLMEngine). One engine of each kind per module."""
+(VLLMEngine). One engine of each kind per module, and one engine-core process started with
+two threads."""
 
 from __future__ import annotations
 
