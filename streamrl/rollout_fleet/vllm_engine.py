@@ -71,7 +71,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -334,25 +334,6 @@ def engine_args(model_path: str, rollout: RolloutConfig, tokenizer_path: str | N
     )
 
 
-@contextlib.contextmanager
-def _omp_threads(threads: int | None) -> Iterator[None]:
-    """``OMP_NUM_THREADS`` for the engine-core process started inside. vLLM spawns it from a
-    Ray actor (a replica), and a spawned child's torch reads its threads from the environment;
-    a forked one (outside Ray, by default) keeps this process's."""
-    if threads is None:
-        yield
-        return
-    before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = before
-
-
 def _disable_torch_compile() -> None:
     """Run every ``torch.compile``d function eagerly, here and in child processes started from
     now on (the engine core): see "Eager on CPU" in the module docstring. Nothing else in a
@@ -535,10 +516,14 @@ class VLLMEngine(RolloutEngine):
         """``threads``: the engine-core process's torch threads (None: as this process's
         ``OMP_NUM_THREADS`` says). ``lora``: serve versions as LoRA adapters of this shape
         (``load_weights`` of an adapter's tensors; the module docstring)."""
+        from vllm.utils.system_utils import set_env_var
         from vllm.v1.engine.async_llm import AsyncLLM
 
         start = time.perf_counter()
-        with _omp_threads(threads):
+        # vLLM spawns the engine core from a Ray actor (a replica), and a spawned child's torch
+        # reads its threads from the environment; a forked one (outside Ray) keeps ours.
+        with (contextlib.nullcontext() if threads is None
+              else set_env_var("OMP_NUM_THREADS", str(threads))):
             self._async_llm: Any = AsyncLLM.from_engine_args(
                 engine_args(model_path, rollout, tokenizer_path, lora))
         self.startup_s = time.perf_counter() - start
